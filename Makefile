@@ -1,0 +1,69 @@
+# fa2-gpt: a GPT training recipe with its own FlashAttention-2 kernel.
+# On a fresh machine `make train` and `make test` do all the set-up (a .venv of their own).
+# On a host whose python already has torch + CUDA (e.g. an offline GPU box): `make PYTHON=python3 <target>`.
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+ARGS ?=
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.DEFAULT_GOAL := help
+.PHONY: help install build data train test test-gpu sanitize bench-kernel bench-e2e clean distclean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  %-13s %s\n", $$1, $$2}'
+
+ifeq ($(PYTHON),$(VENV)/bin/python)
+install: $(STAMP) ## create .venv with torch, lightning, hydra, datasets, tokenizers, wandb
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	# torch first and pinned, so no dependency range pulls a second (multi-GB) build
+	$(PYTHON) -m pip install -q torch==$(TORCH_VERSION)
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	touch $@
+else
+install:  # PYTHON given: check that interpreter has what the project needs
+	@$(PYTHON) -c "import torch, lightning, hydra, omegaconf, datasets, tokenizers, wandb, numpy, pytest" \
+	  || { echo "make install: $(PYTHON) lacks a dependency above; install them (offline GPU hosts: pip install --no-index --find-links .whl ...)"; exit 1; }
+endif
+
+build: install ## compile the flash_kernel CUDA extension in place (skips, saying why, without CUDA)
+	$(PYTHON) -m flash_kernel.build
+
+data: install ## prepare the default data (stdlib corpus -> BPE tokenizer -> uint16 shards) under .cache/
+	$(PYTHON) -m data.prepare
+
+train: install build ## prepare data and train: GPU -> attention=flash (sdpa if the kernel is unavailable); CPU -> experiment=cpu_tiny
+	@run_args=$$($(PYTHON) -c 'import sys, torch, flash_kernel as fk; \
+	  ok = torch.cuda.is_available() and fk.is_available(); \
+	  why = "no CUDA GPU" if not torch.cuda.is_available() else fk.unavailable_reason(); \
+	  print("attention=flash" if ok else ("attention=sdpa" if torch.cuda.is_available() else "experiment=cpu_tiny")); \
+	  ok or print(f"make train: not using attention=flash: {why}", file=sys.stderr)'); \
+	echo "make train: $(PYTHON) train.py $$run_args $(ARGS)"; \
+	$(PYTHON) train.py $$run_args $(ARGS)
+
+test: install build ## run the test suite (CPU tests always; GPU tests when a GPU and the built kernel are present)
+	$(PYTHON) -m pytest -q $(ARGS)
+
+test-gpu: install build ## only the GPU tests (kernel correctness), failing if they would skip
+	$(PYTHON) -c "import torch, flash_kernel as fk, sys; sys.exit(0 if torch.cuda.is_available() and fk.is_available() else 'test-gpu: ' + str(fk.unavailable_reason()))"
+	$(PYTHON) -m pytest -q -m gpu $(ARGS)
+
+sanitize: install build ## compute-sanitizer memcheck + racecheck on a small kernel case (0 errors expected)
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PYTHON) -m flash_kernel.sanitize
+	compute-sanitizer --tool racecheck --error-exitcode 1 $(PYTHON) -m flash_kernel.sanitize
+
+bench-kernel: install build ## FA2 Figure-5 style kernel TFLOP/s vs SDPA backends (ARGS="--hdims 128 ..." to filter)
+	$(PYTHON) bench/kernel.py $(ARGS)
+
+bench-e2e: install build ## end-to-end GPT throughput/MFU through the real pipeline (ARGS to filter)
+	$(PYTHON) bench/e2e.py $(ARGS)
+
+clean: ## remove build outputs (keeps .venv and the data cache)
+	rm -rf flash_kernel/_build flash_kernel/_C*.so build *.egg-info .pytest_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean ## also remove .venv, data caches and run directories
+	rm -rf $(VENV) .cache outputs multirun lightning_logs wandb

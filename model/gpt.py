@@ -1,0 +1,140 @@
+"""A GPT-2/GPT-3 style decoder (Radford et al. 2019; Brown et al. 2020, Table 2.1 shapes).
+
+Token + learned position embeddings, pre-LayerNorm blocks with a fused qkv projection and a GELU MLP,
+a final LayerNorm, and an output head tied to the token embedding. The attention core is pluggable
+(model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused projection: no transpose,
+no copy (DESIGN.md, "Interfaces").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from model.attention import check_attention_supported, get_attention
+
+# Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
+VOCAB_MULTIPLE = 64
+INIT_STD = 0.02  # GPT-2 initialisation
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257  # the tokenizer's; the model pads it up to VOCAB_MULTIPLE
+    seq_len: int = 1024  # context length the position embedding can hold
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    attention: str = "sdpa"
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        check_attention_supported(self.attention, self.head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.is_residual_out = True
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.attn_fn = get_attention(cfg.attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim)  # (B, T, 3, H, D)
+        q, k, v = qkv.unbind(dim=2)  # each (B, T, H, D), strided views
+        o = self.attn_fn(q, k, v, causal=True)  # (B, T, H, D)
+        return self.dropout(self.proj(o.reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.is_residual_out = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: counted once in the FLOP formula too
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            # GPT-2: residual output projections scaled by 1/sqrt(2·L) so the residual stream's
+            # variance does not grow with depth
+            std = INIT_STD / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "is_residual_out", False) else INIT_STD
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, padded_vocab_size)."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(
+                f"input has {T} tokens but the model's position embedding holds seq_len={self.cfg.seq_len}; "
+                f"set seq_len={T} (it sets both the model context and the data windows)"
+            )
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training:
+                # recompute each block in backward: trades ~1/3 more compute for O(L) fewer activations
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def num_params(self, exclude_position_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weight counted once by parameters()
+        return n - self.wpe.weight.numel() if exclude_position_embedding else n

@@ -1,0 +1,146 @@
+"""The LightningModule: next-token loss, AdamW with warmup + cosine decay, val loss, a NaN guard.
+
+Throughput/MFU logging lives in model/perf.py (a callback); checkpointing and gradient clipping are the
+Trainer's. The module keeps only plain values in its hparams (no nn.Modules), so a checkpoint carries
+everything needed to rebuild it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from functools import partial
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from model.flops import flops_per_token
+from model.gpt import GPT, GPTConfig
+
+
+class NonFiniteLossError(RuntimeError):
+    """Raised when the training loss became NaN/inf; the last good checkpoint stays untouched."""
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to min_lr_ratio at max_steps (GPT-3 style)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if max_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LitGPT(L.LightningModule):
+    def __init__(
+        self,
+        model: dict[str, Any],
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.cfg = GPTConfig(**model)
+        self.model = GPT(self.cfg)
+        self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95))
+        self.compile = compile
+        self.seq_len = self.cfg.seq_len
+        # A device-side "loss was ever non-finite" flag: checking it costs a host sync, so it is read only
+        # at logging intervals and before every checkpoint save, never every step.
+        self.register_buffer("_nonfinite", torch.zeros((), dtype=torch.bool), persistent=False)
+
+    # --- FLOPs, read by the perf callback ---------------------------------------------------------------
+    def flops_per_batch(self, batch_size: int, seq_len: int) -> int:
+        return flops_per_token(self.cfg, seq_len) * batch_size * seq_len
+
+    def configure_model(self) -> None:
+        # In-place nn.Module.compile keeps module types and state_dict keys unchanged, so checkpoints load
+        # into an uncompiled model and FSDP still finds the Blocks to wrap. Under FSDP each block is
+        # compiled on its own: a graph spanning FSDP units would break at every unit's hooks.
+        if not self.compile or getattr(self, "_compiled", False):
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            for block in self.model.blocks:
+                block.compile()
+        else:
+            self.model.compile()
+        self._compiled = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # (B, T) each
+        logits = self.model(x)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self._nonfinite |= ~torch.isfinite(loss.detach())
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
+
+    def check_finite(self) -> None:
+        if bool(self._nonfinite):
+            ckpt = self._last_checkpoint()
+            raise NonFiniteLossError(
+                f"training loss became NaN/inf by step {self.trainer.global_step}; stopped without saving. "
+                + (f"The last good checkpoint is {ckpt}. " if ckpt else "No checkpoint was written yet. ")
+                + "Lower optim.optimizer.lr, raise optim.warmup_steps, or keep gradient clipping on, then "
+                "resume with ckpt_path=<that checkpoint>."
+            )
+
+    def _last_checkpoint(self) -> str | None:
+        cb = getattr(self.trainer, "checkpoint_callback", None)
+        return (cb.last_model_path or cb.best_model_path or None) if cb is not None else None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Raising here aborts the save before anything is written, so a NaN state never replaces the
+        # last good checkpoint.
+        self.check_finite()
+
+    # --- optimisation -----------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                # weight decay on matmul weights and embeddings only, not on biases and LayerNorm gains
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        factory = self.optimizer_factory
+        extra = {}
+        if "fused" not in getattr(factory, "keywords", {}) and self._fused_adamw_ok():
+            extra["fused"] = True  # one kernel for all parameters instead of a loop of small ones
+        optimizer = factory(groups, **extra)
+        max_steps = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
+        schedule = partial(
+            warmup_cosine,
+            warmup_steps=max(1, self.hparams.warmup_steps),
+            max_steps=max_steps,
+            min_lr_ratio=self.hparams.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _fused_adamw_ok(self) -> bool:
+        factory = getattr(self.optimizer_factory, "func", self.optimizer_factory)
+        return factory is torch.optim.AdamW and self.device.type == "cuda"
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return asdict(self.cfg)

@@ -1,0 +1,102 @@
+"""The GPT and its attention switch on CPU: the implementations agree, errors are clear."""
+
+import pytest
+import torch
+
+from model.attention import ATTENTION, get_attention, naive_attention, sdpa_attention
+from model.gpt import GPT, GPTConfig
+
+
+def _qkv(B=2, Tq=37, Tk=37, Hq=4, Hkv=4, D=32, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, Hq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Tk, Hkv, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Tk, Hkv, D, generator=g, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("Tq, Tk, Hkv", [(37, 37, 4), (17, 53, 4), (37, 37, 1), (1, 9, 2)])
+def test_naive_and_sdpa_agree(causal, Tq, Tk, Hkv):
+    q, k, v = _qkv(Tq=Tq, Tk=Tk, Hkv=Hkv, dtype=torch.float64)
+    torch.testing.assert_close(naive_attention(q, k, v, causal), sdpa_attention(q, k, v, causal))
+
+
+def test_naive_attention_is_causal_bottom_right():
+    """Query i must not see key j > i + Tk - Tq: changing such a key leaves its output unchanged."""
+    q, k, v = _qkv(Tq=5, Tk=8)
+    o = naive_attention(q, k, v, causal=True)
+    v2 = v.clone()
+    v2[:, -1] += 10.0  # the last key is visible to the last query only
+    o2 = naive_attention(q, k, v2, causal=True)
+    torch.testing.assert_close(o[:, :-1], o2[:, :-1])
+    assert not torch.allclose(o[:, -1], o2[:, -1])
+
+
+def test_flash_reference_matches_naive():
+    pytest.importorskip("flash_kernel.reference")
+    # the reference accumulates in fp32 whatever the input dtype, so compare at fp32 tolerances
+    q, k, v = (x.requires_grad_() for x in _qkv(Tq=45, Tk=45, dtype=torch.float64))
+    o_ref = get_attention("flash_reference")(q, k, v, causal=True)
+    o_naive = naive_attention(q, k, v, causal=True)
+    torch.testing.assert_close(o_ref, o_naive, atol=1e-5, rtol=1e-4)
+    g = torch.randn_like(o_ref)
+    grads_ref = torch.autograd.grad(o_ref, (q, k, v), g)
+    grads_naive = torch.autograd.grad(o_naive, (q, k, v), g)
+    for a, b in zip(grads_ref, grads_naive):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_unknown_attention_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: naive, sdpa, flash"):
+        get_attention("flashy")
+
+
+def test_flash_head_dim_checked_at_construction():
+    with pytest.raises(ValueError, match="multiples of 8"):
+        GPTConfig(n_head=3, d_model=60, attention="flash")  # head dim 20
+
+
+def _tiny(attention, seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, attention=attention))
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa", "flash_reference"])
+def test_model_forward_backward_agree_across_attentions(attention):
+    if attention == "flash_reference":
+        pytest.importorskip("flash_kernel.reference")
+    idx = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
+    ref = _tiny("sdpa")
+    model = _tiny(attention)
+    model.load_state_dict(ref.state_dict())
+    logits_ref, logits = ref(idx), model(idx)
+    assert logits.shape == (2, 48, 320)  # vocab 300 padded to a multiple of 64
+    torch.testing.assert_close(logits, logits_ref, atol=2e-5, rtol=1e-4)
+    logits.float().logsumexp(-1).mean().backward()
+    logits_ref.float().logsumexp(-1).mean().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-3, msg=name)
+
+
+def test_tied_head_and_too_long_input():
+    model = _tiny("sdpa")
+    assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()
+    with pytest.raises(ValueError, match="set seq_len=65"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_activation_checkpointing_gives_same_grads():
+    idx = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    plain = _tiny("sdpa")
+    ckpt = GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, activation_checkpointing=True))
+    ckpt.load_state_dict(plain.state_dict())
+    for m in (plain, ckpt):
+        m(idx).float().logsumexp(-1).mean().backward()
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_registry_has_the_three_config_words():
+    assert {"naive", "sdpa", "flash"} <= set(ATTENTION)

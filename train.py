@@ -1,0 +1,189 @@
+"""Train a GPT with Lightning, configured by Hydra: `python train.py attention=flash seq_len=8192`.
+
+`train(cfg)` builds the data, model, callbacks, logger and Trainer from a composed config and fits;
+`main()` is the Hydra entry around it, so tests (and other scripts) can call `train` with a config
+composed by `hydra.compose`. Config lives in conf/; see README.md for the knobs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from model.attention import ATTENTION
+from model.lit_gpt import LitGPT, NonFiniteLossError
+
+REPO = Path(__file__).resolve().parent
+WANDB_HOST = ("api.wandb.ai", 443)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says which key to change."""
+
+
+def _auto_precision() -> str:
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def _wandb_offline() -> bool:
+    """Offline unless an API key is configured AND the W&B host answers: never prompt, never hang."""
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("offline", "dryrun", "disabled"):
+        return True
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    netrc = Path.home() / ".netrc"
+    if not has_key and netrc.is_file():
+        has_key = WANDB_HOST[0] in netrc.read_text(errors="ignore")
+    if not has_key:
+        return True
+    try:
+        socket.create_connection(WANDB_HOST, timeout=3).close()
+        return False
+    except OSError:
+        return True
+
+
+def register_resolvers() -> None:
+    for name, fn in (("auto_precision", _auto_precision), ("wandb_offline", _wandb_offline)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()
+
+
+def validate(cfg: DictConfig) -> None:
+    """Catch configs that would fail late (after data preparation, on the first step) with a clear word."""
+    name = cfg.attention.name
+    if name not in ATTENTION:
+        raise ConfigError(f"unknown attention {name!r}; valid: {', '.join(ATTENTION)}")
+    if cfg.data.get("seq_len") is not None and cfg.data.seq_len != cfg.seq_len:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} differs from seq_len={cfg.seq_len}; set the top-level "
+            "seq_len only (it sets both the model context and the data windows)"
+        )
+    if name == "flash":
+        import flash_kernel
+
+        on_cpu = cfg.trainer.get("accelerator") == "cpu"
+        if on_cpu or not flash_kernel.is_available():
+            why = "trainer.accelerator=cpu" if on_cpu else flash_kernel.unavailable_reason()
+            raise ConfigError(
+                f"attention=flash needs the compiled kernel on a CUDA GPU, but: {why}. "
+                "Build it with `make build` on a GPU machine, or use attention=sdpa."
+            )
+        if not str(cfg.trainer.precision).startswith(("bf16", "16")):
+            raise ConfigError(
+                f"attention=flash runs in bf16/fp16, but trainer.precision={cfg.trainer.precision}; "
+                "use trainer.precision=bf16-mixed"
+            )
+    if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist; point it at a .ckpt file of an earlier run")
+
+
+def _output_dir(cfg: DictConfig) -> str:
+    if cfg.get("output_dir"):
+        return str(cfg.output_dir)
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.output_dir
+    return os.getcwd()
+
+
+def build_logger(cfg: DictConfig):
+    if not cfg.get("logger") or "_target_" not in cfg.logger:
+        return None
+    logger = instantiate(cfg.logger)
+    if getattr(logger, "_offline", False):
+        rank_zero_info(
+            f"W&B: no API key or no network, writing an offline run under {cfg.logger.save_dir}/wandb; "
+            "upload it later with `wandb sync <that offline-run-* dir>`"
+        )
+    return logger
+
+
+def build_callbacks(cfg: DictConfig, has_logger: bool) -> list[L.Callback]:
+    callbacks = []
+    for key, cb_cfg in (cfg.get("callbacks") or {}).items():
+        if key == "lr_monitor" and not has_logger:
+            continue  # LearningRateMonitor refuses to run without a logger
+        callbacks.append(instantiate(cb_cfg))
+    return callbacks
+
+
+def _explain_oom(cfg: DictConfig, err: torch.OutOfMemoryError) -> str:
+    B, T, n_head = cfg.data.batch_size, cfg.seq_len, cfg.model.n_head
+    msg = f"CUDA out of memory with model={cfg.model.n_layer}L/{cfg.model.d_model}d, seq_len={T}, data.batch_size={B}, attention={cfg.attention.name}. "
+    if cfg.attention.name == "naive":
+        score_gib = B * n_head * T * T * 2 / 2**30  # bf16 (B, H, T, T) per layer, kept for backward
+        msg += (
+            f"Naive attention materializes the (B, H, T, T) scores: {score_gib:.1f} GiB per layer in bf16. "
+            "Use attention=flash or attention=sdpa, or lower data.batch_size / seq_len. "
+        )
+    else:
+        msg += "Lower data.batch_size (raise trainer.accumulate_grad_batches to keep the global batch), or set model.activation_checkpointing=true. "
+    return msg + f"({str(err).splitlines()[0]})"
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit the model described by `cfg`; returns the final logged metrics (floats)."""
+    with open_dict(cfg):
+        cfg.output_dir = _output_dir(cfg)
+    validate(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 leftovers (e.g. the loss) on tensor cores
+    torch.backends.cudnn.allow_tf32 = True
+
+    datamodule = instantiate(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed)
+    model_kwargs = {
+        **OmegaConf.to_container(cfg.model, resolve=True),
+        "seq_len": cfg.seq_len,
+        "attention": cfg.attention.name,
+        "vocab_size": datamodule.vocab_size,
+    }
+    module = LitGPT(
+        model=model_kwargs,
+        optimizer=instantiate(cfg.optim.optimizer),
+        warmup_steps=cfg.optim.warmup_steps,
+        min_lr_ratio=cfg.optim.min_lr_ratio,
+        weight_decay=cfg.optim.weight_decay,
+        compile=cfg.compile,
+    )
+    logger = build_logger(cfg)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg, logger is not None), logger=logger or False)
+    if logger is not None:
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except torch.OutOfMemoryError as err:
+        raise RuntimeError(_explain_oom(cfg, err)) from err
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    for cb in trainer.callbacks:
+        metrics.update(getattr(cb, "last_metrics", {}))
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
