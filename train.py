@@ -112,6 +112,15 @@ def build_logger(cfg: DictConfig):
     return logger
 
 
+def finish_logger(logger, trainer: L.Trainer, ok: bool) -> None:
+    """Close the W&B run so its files are complete when train() returns (not only at interpreter exit),
+    which matters to callers that train several times in one process (tests, bench/e2e.py)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
+        logger.experiment.finish(exit_code=0 if ok else 1)
+
+
 def build_callbacks(cfg: DictConfig, has_logger: bool) -> list[L.Callback]:
     callbacks = []
     for key, cb_cfg in (cfg.get("callbacks") or {}).items():
@@ -119,6 +128,22 @@ def build_callbacks(cfg: DictConfig, has_logger: bool) -> list[L.Callback]:
             continue  # LearningRateMonitor refuses to run without a logger
         callbacks.append(instantiate(cb_cfg))
     return callbacks
+
+
+def set_accumulation(cfg: DictConfig, trainer: L.Trainer) -> None:
+    """Keep the global batch what the config says whatever the GPU count: with global_batch_tokens set,
+    accumulate micro-batches of data.batch_size × seq_len on each of world_size ranks until it is reached."""
+    target = cfg.get("global_batch_tokens")
+    if not target:
+        return
+    per_micro_step = cfg.data.batch_size * cfg.seq_len * trainer.world_size
+    if target % per_micro_step:
+        raise ConfigError(
+            f"global_batch_tokens={target} is not a multiple of data.batch_size × seq_len × world_size = "
+            f"{cfg.data.batch_size} × {cfg.seq_len} × {trainer.world_size} = {per_micro_step}"
+        )
+    trainer.accumulate_grad_batches = target // per_micro_step
+    rank_zero_info(f"global batch {target} tokens = {trainer.accumulate_grad_batches} accumulation step(s) × {per_micro_step}")
 
 
 def _explain_oom(cfg: DictConfig, err: torch.OutOfMemoryError) -> str:
@@ -161,12 +186,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     logger = build_logger(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg, logger is not None), logger=logger or False)
+    set_accumulation(cfg, trainer)
     if logger is not None:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    ok = False
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        ok = True
     except torch.OutOfMemoryError as err:
         raise RuntimeError(_explain_oom(cfg, err)) from err
+    finally:
+        finish_logger(logger, trainer, ok)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     for cb in trainer.callbacks:
         metrics.update(getattr(cb, "last_metrics", {}))

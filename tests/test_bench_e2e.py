@@ -1,0 +1,45 @@
+"""bench/e2e.py's bookkeeping on CPU: results merge by case, the table pairs pipeline with bare loop."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).resolve().parents[1] / "bench" / "e2e.py")
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+
+
+def _row(mode, attention, tokens_per_s, status="ok", compile=False):
+    return {"device": "GPU X", "mode": mode, "model": "gpt3-1.3b", "seq_len": 8192, "attention": attention,
+            "compile": compile, "status": status, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tokens_per_s * 1e-3,
+            "mfu": 0.5, "peak_mem_gib": 10.0, "step_time_s": 1.0}
+
+
+def test_merge_replaces_same_case_and_keeps_others(tmp_path):
+    path = tmp_path / "e2e.json"
+    e2e.merge(path, [_row("pipeline", "sdpa", 100.0), _row("bare", "sdpa", 200.0)])
+    rows = e2e.merge(path, [_row("pipeline", "sdpa", 150.0), _row("pipeline", "naive", 0, status="OOM")])
+    assert len(rows) == 3
+    assert {r["tokens_per_s"] for r in rows if r["attention"] == "sdpa" and r["mode"] == "pipeline"} == {150.0}
+
+
+def test_table_ratio_oom_and_plot(tmp_path):
+    rows = [_row("pipeline", "flash", 190.0), _row("bare", "flash", 200.0), _row("pipeline", "naive", 0, status="OOM")]
+    md = e2e.table(rows)
+    flash_line = next(line for line in md.splitlines() if "| flash |" in line)
+    assert "| 0.950 |" in flash_line and "| 220 |" in flash_line  # ratio, and the FA2 paper's 8k number
+    assert "OOM" in next(line for line in md.splitlines() if "| naive |" in line)
+    png = tmp_path / "e2e.png"
+    e2e.plot(rows, png)
+    assert png.stat().st_size > 1000
+
+
+def test_refuses_to_measure_without_gpu(tmp_path):
+    pytest.importorskip("matplotlib")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        e2e.main(["--out", str(tmp_path / "e2e.json")])

@@ -1,0 +1,91 @@
+"""Every config group option and experiment composes; presets have the GPT-3 shapes; bad names are clear."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from hydra.utils import instantiate
+
+import train  # noqa: F401  (registers the auto_precision / wandb_offline resolvers)
+from model.gpt import GPT, GPTConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "group", ["attention", "model", "data", "optim", "trainer", "logger", "callbacks", "experiment"]
+)
+def test_every_option_composes(group):
+    options = _options(group)
+    assert options, f"conf/{group} is empty"
+    for option in options:
+        cfg = _compose(f"{group}={option}")
+        assert cfg.seq_len > 0 and cfg.attention.name in ("naive", "sdpa", "flash")
+
+
+def test_everyday_launch_keys():
+    cfg = _compose("attention=flash", "seq_len=8192")
+    assert cfg.attention.name == "flash"
+    assert cfg.seq_len == 8192 and cfg.data.seq_len == 8192  # one knob sets model context and data windows
+
+
+# (params excluding position embeddings, in billions) for the GPT-3 presets as this repo builds them
+@pytest.mark.parametrize(
+    "preset, head_dim, billions",
+    [("gpt3-125m", 64, 0.124), ("gpt3-350m", 64, 0.354), ("gpt3-760m", 96, 0.755),
+     ("gpt3-1.3b", 128, 1.31), ("gpt3-2.7b", 80, 2.65)],
+)
+def test_gpt3_presets(preset, head_dim, billions):
+    cfg = _compose(f"model={preset}")
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(**cfg.model, vocab_size=50257, seq_len=2048))
+    assert gpt.cfg.head_dim == head_dim
+    assert gpt.num_params() / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "name, model, seq_len, batch",
+    [("fa2_gpt3_1.3b_2k", "gpt3-1.3b", 2048, 8), ("fa2_gpt3_1.3b_8k", "gpt3-1.3b", 8192, 2),
+     ("fa2_gpt3_2.7b_2k", "gpt3-2.7b", 2048, 8), ("fa2_gpt3_2.7b_8k", "gpt3-2.7b", 8192, 2)],
+)
+def test_fa2_experiments(name, model, seq_len, batch):
+    cfg = _compose(f"experiment={name}")
+    assert cfg.seq_len == seq_len and cfg.data.batch_size == batch
+    assert seq_len * batch == 16384  # the FA2 paper's tokens per GPU step
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.model == _compose(f"model={model}").model
+
+
+def test_command_line_trainer_beats_experiment_default():
+    cfg = _compose("experiment=fa2_gpt3_1.3b_8k", "trainer=ddp", "trainer.devices=8")
+    assert cfg.trainer.devices == 8
+    assert cfg.trainer.strategy._target_.endswith("DDPStrategy")
+
+
+def test_strategies_instantiate_on_cpu():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    assert isinstance(instantiate(_compose("trainer=ddp").trainer.strategy), DDPStrategy)
+    fsdp = instantiate(_compose("trainer=fsdp", "trainer.strategy.activation_checkpointing=true").trainer.strategy)
+    assert isinstance(fsdp, FSDPStrategy)
+
+
+def test_cpu_trainer_instantiates():
+    trainer = instantiate(_compose("trainer=cpu", "output_dir=/tmp/x").trainer, logger=False, callbacks=[])
+    assert trainer.max_steps > 0 and trainer.precision == "32-true"
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(MissingConfigException, match="Available options"):
+        _compose("attention=flashy")

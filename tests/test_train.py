@@ -1,0 +1,139 @@
+"""train.py end to end on CPU: W&B offline run files carry perf/mfu, CSV logs, resume, NaN stop, errors, DDP."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import train as train_mod
+from model.lit_gpt import LitGPT, NonFiniteLossError
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    """One small prepared stdlib cache for the whole module (tiny vocab: BPE training in seconds)."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def _overrides(data_cache, out, *extra):
+    return [
+        "experiment=cpu_tiny",
+        "seq_len=64",
+        "data.batch_size=4",
+        "data.num_workers=0",
+        "data.vocab_size=512",
+        "data.max_documents=60",
+        f"data.cache_dir={data_cache}",
+        "data.val_batches=2",
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=2",
+        "trainer.val_check_interval=3",
+        "trainer.enable_model_summary=false",
+        "~callbacks.progress_bar",
+        "peak_tflops=1.0",  # a CPU has no table entry; an override makes MFU defined
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+def _cfg(data_cache, out, *extra):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=_overrides(data_cache, out, *extra))
+
+
+def test_wandb_offline_run_carries_perf_metrics(data_cache, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    metrics = train_mod.train(_cfg(data_cache, tmp_path, "logger=wandb"))
+    assert metrics["perf/mfu"] > 0 and metrics["perf/tokens_per_s"] > 0
+    assert torch.isfinite(torch.tensor(metrics["val/loss"]))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "one offline run, ready for `wandb sync`"
+    records = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+    for key in (b"perf/mfu", b"perf/tflops_per_gpu", b"perf/tokens_per_s", b"train/loss", b"val/loss"):
+        assert key in records, key
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_csv_logger_and_loss_falls(data_cache, tmp_path):
+    train_mod.train(_cfg(data_cache, tmp_path, "logger=csv", "trainer.max_steps=30", "trainer.log_every_n_steps=5",
+                         "trainer.val_check_interval=15"))
+    import csv
+
+    (metrics_csv,) = (tmp_path / "csv").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_csv.open()))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    vals = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+    assert any(r.get("perf/tokens_per_s") for r in rows)
+    assert losses[-1] < losses[0] and vals[-1] < vals[0]
+
+
+def _final_state(ckpt):
+    return torch.load(ckpt, map_location="cpu", weights_only=False)
+
+
+def test_resume_continues_step_optimizer_schedule_and_data(data_cache, tmp_path):
+    """Resume an 8-step run from its step-4 checkpoint (as after a kill): the final weights equal the
+    uninterrupted run's bit for bit, which needs the step count, optimizer state, LR schedule and data
+    order all restored."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ("logger=none", "trainer.max_steps=8", "ckpt_every=4", "trainer.val_check_interval=100")
+    train_mod.train(_cfg(data_cache, full, *common))
+    mid = full / "checkpoints" / "step0000004.ckpt"
+    assert _final_state(mid)["global_step"] == 4
+    train_mod.train(_cfg(data_cache, resumed, *common, f"ckpt_path={mid}"))
+    a, b = _final_state(full / "checkpoints" / "last.ckpt"), _final_state(resumed / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 8
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    assert a["lr_schedulers"][0]["last_epoch"] == b["lr_schedulers"][0]["last_epoch"]
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(data_cache, tmp_path, monkeypatch):
+    real_loss = LitGPT._loss
+
+    def poisoned(self, batch):
+        loss = real_loss(self, batch)
+        return loss * float("nan") if self.training and self.global_step >= 5 else loss
+
+    monkeypatch.setattr(LitGPT, "_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match=r"by step \d+.*last good checkpoint"):
+        train_mod.train(_cfg(data_cache, tmp_path, "logger=none", "trainer.max_steps=12", "ckpt_every=4",
+                             "trainer.val_check_interval=100"))
+    state = _final_state(tmp_path / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 4
+    assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (("attention=flash",), "attention=sdpa"),
+        (("data.seq_len=32",), "set the top-level seq_len"),
+        (("ckpt_path=/nonexistent.ckpt",), "does not exist"),
+    ],
+)
+def test_bad_config_fails_before_any_work(data_cache, tmp_path, extra, match):
+    with pytest.raises(train_mod.ConfigError, match=match):
+        train_mod.train(_cfg(data_cache, tmp_path, "logger=none", *extra))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_ddp_two_cpu_processes(data_cache, tmp_path):
+    """The real launch path: `python train.py trainer=ddp` on 2 CPU processes (gloo), one run directory."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "train.py", *_overrides(data_cache, tmp_path, "logger=csv", "trainer=ddp",
+           "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=4")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world_size: 2" in proc.stdout + proc.stderr or "MEMBER: 2/2" in proc.stdout + proc.stderr
+    assert len(list((tmp_path / "csv").rglob("metrics.csv"))) == 1  # logged from rank 0 only
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
