@@ -1,0 +1,453 @@
+"""Attention kernel benchmark: the FlashAttention-2 paper's Figure 5 protocol, our kernel against PyTorch's.
+
+Protocol (Dao 2023, section 4.1): B*T = 16k tokens, hidden 2048 (heads = 2048 / hd), hd 64 and 128, causal
+and not, T = 512 ... 16k, bf16. FLOPs: fwd = 4*B*H*T^2*hd, halved when causal; bwd = 2.5 * fwd;
+fwd+bwd = 3.5 * fwd. Times are CUDA-event medians after warm-up (triton.testing.do_bench, which also
+flushes L2 between runs; a torch.cuda.Event loop when triton is missing); inputs require grad in every
+mode so the forward is the training forward (it saves what the backward needs).
+
+Methods: naive (matmul + mask + softmax + matmul), SDPA default dispatch, SDPA forced to each backend
+(FLASH = FA2, CUDNN, EFFICIENT = mem-efficient), and ours (flash_kernel; skipped, with a note, when not
+built). Each runs in its native layout: (B, H, T, D) for PyTorch, (B, T, H, D) for ours. OOM is recorded
+as "OOM", a backend that refuses the shape as "n/a".
+
+    python bench/kernel.py                                   # everything (~10 min on an H100)
+    python bench/kernel.py --hdims 128 --causal 1 --methods sdpa_flash ours   # one part
+    python bench/kernel.py --plot-only                       # redraw table + figure from the JSON
+
+Parts merge into bench/results/kernel.json (one entry per device, method, hd, causal, T, mode), so a
+benchmark can be run in pieces that each fit a short GPU allocation. The figure goes to
+bench/results/kernel_<device>.png (rows: fwd+bwd, fwd, bwd; one panel per hd x causal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `python bench/kernel.py` from anywhere imports the repo's flash_kernel
+
+RESULTS = REPO / "bench" / "results" / "kernel.json"
+TOKENS = 16 * 1024  # B * T, the paper's fixed token count
+HIDDEN = 2048  # heads = HIDDEN // hd
+HEAD_DIMS = [64, 128]
+SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+MODES = ["fwd", "bwd", "fwd_bwd"]
+METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "ours"]
+LABELS = {
+    "naive": "naive (PyTorch)",
+    "sdpa": "SDPA default",
+    "sdpa_flash": "SDPA FLASH (FA2)",
+    "sdpa_cudnn": "SDPA cuDNN",
+    "sdpa_efficient": "SDPA EFFICIENT",
+    "ours": "ours (flash_kernel)",
+}
+MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
+BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
+GIB = 1024**3
+DEVICE = "cuda"
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, mode: str) -> float:
+    """FA2 paper convention: fwd = 4 B H T^2 D (two matmuls), halved when causal; bwd = 2.5 fwd."""
+    fwd = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return {"fwd": fwd, "bwd": BWD_FLOPS_RATIO * fwd, "fwd_bwd": (1 + BWD_FLOPS_RATIO) * fwd}[mode]
+
+
+def shape_for(seqlen: int, head_dim: int) -> tuple[int, int]:
+    """(batch, heads) of the paper's protocol for this length and head dim."""
+    return max(1, TOKENS // seqlen), HIDDEN // head_dim
+
+
+# ---------------------------------------------------------------------------------------------- methods
+class BackendUnsupported(Exception):
+    """The method cannot run this shape/dtype here (recorded as "n/a", not as a failure)."""
+
+
+def _naive(q, k, v, causal, mask):
+    # q, k, v: (B, H, T, D). The textbook attention the paper's "PyTorch" baseline is.
+    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, T)
+    if causal:
+        s = s.masked_fill(mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v  # (B, H, T, D)
+
+
+def _sdpa_backend(method: str):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }[method]
+
+
+def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, dtype):
+    """Inputs in the method's native layout (requires_grad), a closure computing o, and a factory of the context
+    to run it in (a factory: sdpa_kernel's context manager is single-use)."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    device = DEVICE
+    if method == "ours":
+        import flash_kernel
+
+        if not flash_kernel.is_available():
+            raise BackendUnsupported(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
+        shape = (batch, seqlen, heads, head_dim)  # (B, T, H, D)
+    else:
+        shape = (batch, heads, seqlen, head_dim)  # (B, H, T, D)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device=device, dtype=dtype)
+    context = contextlib.nullcontext
+    if method == "naive":
+        # A constant buffer, as nanoGPT registers its causal mask: built once, not timed.
+        mask = torch.ones(seqlen, seqlen, device=device, dtype=torch.bool).triu(1) if causal else None
+        fn = lambda: _naive(q, k, v, causal, mask)  # noqa: E731
+    elif method == "sdpa":
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    elif method.startswith("sdpa_"):
+        from torch.nn.attention import sdpa_kernel
+
+        context = lambda: sdpa_kernel(_sdpa_backend(method))  # noqa: E731
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    elif method == "ours":
+        from flash_kernel import flash_attn_func
+
+        fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    return (q, k, v, do), fn, context
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def bench_ms(fn, grad_to_none, warmup_ms: float, rep_ms: float) -> float:
+    """Median milliseconds of fn() on the GPU, after warm-up."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
+    # Fallback with the same shape as do_bench: estimate one call, warm up for warmup_ms, time rep_ms worth.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    times = []
+    for _ in range(max(5, int(rep_ms / estimate))):
+        for t in grad_to_none:
+            t.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[float, float]:
+    """(median ms, peak GiB allocated during one untimed call) for mode in fwd / bwd / fwd_bwd."""
+    q, k, v, do = tensors
+    leaves = [q, k, v]
+    if mode == "fwd":
+        step = fn
+    elif mode == "bwd":
+        o = fn()  # one forward whose graph every timed backward reuses
+
+        def step():
+            o.backward(do, retain_graph=True)
+    else:
+
+        def step():
+            fn().backward(do)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / GIB
+    for t in leaves:
+        t.grad = None
+    ms = bench_ms(step, leaves, warmup_ms, rep_ms)
+    return ms, peak
+
+
+def _is_unsupported(err: RuntimeError) -> bool:
+    # SDPA with a forced backend that cannot take the inputs says "No available kernel" (CUDA) or
+    # "No viable backend" (newer torch).
+    msg = str(err)
+    return "No available kernel" in msg or "No viable backend" in msg or "not supported" in msg.lower()
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def benchmark(args, device: str) -> list[dict]:
+    results = []
+    dtype = torch.bfloat16
+    for head_dim in args.hdims:
+        for causal in args.causal:
+            for seqlen in args.seqlens:
+                batch, heads = shape_for(seqlen, head_dim)
+                for method in args.methods:
+                    base = {
+                        "device": device, "method": method, "hd": head_dim, "causal": causal, "seqlen": seqlen,
+                        "batch": batch, "heads": heads, "dtype": "bf16",
+                    }  # fmt: skip
+                    try:
+                        tensors, fn, context = make_method(method, batch, heads, seqlen, head_dim, causal, dtype)
+                    except BackendUnsupported as e:
+                        print(f"skip {method}: {e}")
+                        continue
+                    except torch.OutOfMemoryError:
+                        tensors, fn = None, None
+                        results += [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_mem_gib=None, note="") for m in args.modes]
+                        _free()
+                        continue
+                    for mode in args.modes:
+                        row = dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="")
+                        try:
+                            with context():
+                                ms, peak = run_mode(mode, tensors, fn, args.warmup_ms, args.rep_ms)
+                            row.update(ms=ms, peak_mem_gib=peak)
+                            row["tflops"] = attention_flops(batch, heads, seqlen, head_dim, causal, mode) / (ms * 1e-3) / 1e12
+                        except torch.OutOfMemoryError:
+                            row["status"] = "OOM"
+                        except RuntimeError as e:
+                            row["status"] = "n/a" if _is_unsupported(e) else "error"
+                            row["note"] = str(e).splitlines()[0][:200]
+                        for t in tensors[:3]:
+                            t.grad = None
+                        _free()
+                        results.append(row)
+                        shown = f"{row['tflops']:7.1f} TFLOP/s  {row['ms']:8.3f} ms  peak {row['peak_mem_gib']:.2f} GiB" if row["status"] == "ok" else row["status"] + (f" ({row['note']})" if row.get("note") else "")
+                        print(f"hd={head_dim:<3} causal={int(causal)} T={seqlen:<5} {method:<15} {mode:<8} {shown}", flush=True)
+                    del tensors, fn
+                    _free()
+    return results
+
+
+# ------------------------------------------------------------------------------------------ results file
+def result_key(row: dict) -> tuple:
+    return (row["device"], row["method"], row["hd"], bool(row["causal"]), row["seqlen"], row["mode"])
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """new replaces old entries with the same (device, method, hd, causal, T, mode); everything else is kept."""
+    merged = {result_key(r): r for r in old}
+    merged.update({result_key(r): r for r in new})
+    return sorted(merged.values(), key=lambda r: (r["device"], r["hd"], r["causal"], r["mode"], r["seqlen"], METHODS.index(r["method"]) if r["method"] in METHODS else 99))
+
+
+def load(path: Path) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"environment": {}, "results": []}
+
+
+def save(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")  # git-ignored; rename is atomic, so an interrupted run leaves the old file
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def environment() -> dict:
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    import flash_kernel
+
+    env["flash_kernel"] = "available" if flash_kernel.is_available() else flash_kernel.unavailable_reason()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+        env["timer"] = "triton.testing.do_bench (median)"
+    except ImportError:
+        env["timer"] = "torch.cuda.Event loop (median)"
+    return env
+
+
+# ------------------------------------------------------------------------------------------ table + plot
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return f"{row['tflops']:.0f}" if row["status"] == "ok" else row["status"]
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    if a is None or b is None or a["status"] != "ok" or b["status"] != "ok":
+        return "-"
+    return f"{a['tflops'] / b['tflops']:.2f}"
+
+
+def format_table(results: list[dict], device: str) -> str:
+    """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH and ours / SDPA-default ratios."""
+    rows = [r for r in results if r["device"] == device]
+    index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, hidden {HIDDEN})"]
+    for mode in MODES:
+        for head_dim in sorted({r["hd"] for r in rows}):
+            for causal in (False, True):
+                seqlens = sorted({r["seqlen"] for r in rows if r["hd"] == head_dim and bool(r["causal"]) == causal and r["mode"] == mode})
+                if not seqlens:
+                    continue
+                out.append(f"\n### {MODE_LABELS[mode]}, hd {head_dim}, {'causal' if causal else 'non-causal'}\n")
+                header = ["T"] + [LABELS[m] for m in methods] + ["ours/FLASH", "ours/SDPA"]
+                out.append("| " + " | ".join(header) + " |")
+                out.append("|" + "---|" * len(header))
+                for seqlen in seqlens:
+                    get = lambda m: index.get((m, head_dim, causal, seqlen, mode))  # noqa: E731
+                    cells = [str(seqlen)] + [_cell(get(m)) for m in methods]
+                    cells += [_ratio(get("ours"), get("sdpa_flash")), _ratio(get("ours"), get("sdpa"))]
+                    out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def device_slug(device: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+
+
+def plot(results: list[dict], device: str, path: Path) -> Path:
+    """FA2 Figure 5 layout: grouped bars of TFLOP/s vs T per method; rows fwd+bwd / fwd / bwd, columns hd x causal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if r["device"] == device]
+    index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
+    modes = [m for m in ("fwd_bwd", "fwd", "bwd") if any(r["mode"] == m for r in rows)]
+    panels = [(hd, c) for hd in sorted({r["hd"] for r in rows}) for c in (False, True) if any(r["hd"] == hd and bool(r["causal"]) == c for r in rows)]
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(len(modes), len(panels), figsize=(4.6 * len(panels), 3.6 * len(modes)), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    width = 0.8 / max(1, len(methods))
+    for i, mode in enumerate(modes):
+        for j, (head_dim, causal) in enumerate(panels):
+            ax = axes[i][j]
+            seqlens = sorted({r["seqlen"] for r in rows if r["hd"] == head_dim and bool(r["causal"]) == causal})
+            for mi, method in enumerate(methods):
+                xs = [s + (mi - (len(methods) - 1) / 2) * width for s in range(len(seqlens))]
+                for x, seqlen in zip(xs, seqlens):
+                    r = index.get((method, head_dim, causal, seqlen, mode))
+                    if r is None:
+                        continue
+                    if r["status"] == "ok":
+                        ax.bar(x, r["tflops"], width, color=colors(mi))
+                        ax.text(x, r["tflops"], f"{r['tflops']:.0f}", rotation=90, ha="center", va="bottom", fontsize=5)
+                    else:  # OOM / n/a shown, not hidden
+                        ax.text(x, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=6, color=colors(mi))
+            ax.set_xticks(range(len(seqlens)))
+            ax.set_xticklabels([f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
+            ax.set_title(f"{MODE_LABELS[mode]}, hd {head_dim}, {'causal' if causal else 'non-causal'}", fontsize=9)
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(axis="y", alpha=0.3)
+    # One legend entry per method, also for methods that only have OOM / n/a here.
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colors(mi), label=LABELS[m]) for mi, m in enumerate(methods)]
+    # Title, then legend, then panels, each in its own band (heights in inches, converted to figure fractions).
+    height = fig.get_figheight()
+    fig.suptitle(f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, hidden {HIDDEN})", y=1 - 0.05 / height, va="top")
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(handles), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# -------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    p.add_argument("--hdims", nargs="+", type=int, default=HEAD_DIMS)
+    p.add_argument("--seqlens", nargs="+", type=int, default=SEQLENS)
+    p.add_argument("--causal", nargs="+", type=int, choices=[0, 1], default=[0, 1], help="0 non-causal, 1 causal")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the parts merge into")
+    p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the table and figure from --results")
+    p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
+    args = p.parse_args(argv)
+    args.causal = [bool(c) for c in args.causal]
+    return args
+
+
+def report(data: dict, devices: list[str], results_path: Path) -> None:
+    for device in devices:
+        png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}.png")
+        print(f"\nfigure: {png}")
+        env = data.get("environment", {}).get(device, {})
+        if env:
+            print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+        print(format_table(data["results"], device))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        data = load(args.results)
+        if not data["results"]:
+            sys.exit(f"bench/kernel.py --plot-only: no results in {args.results}")
+        devices = [args.device] if args.device else sorted({r["device"] for r in data["results"]})
+        report(data, devices, args.results)
+        return 0
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench/kernel.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "run it on the GPU machine, or `--plot-only` to redraw from " + str(args.results)
+        )
+    if "ours" in args.methods:
+        import flash_kernel
+
+        if not flash_kernel.is_available():
+            print(f"note: ours (flash_kernel) skipped: {flash_kernel.unavailable_reason()}")
+    torch.manual_seed(0)
+    env = environment()
+    device = env["device"]
+    new = benchmark(args, device)
+    data = load(args.results)
+    data.setdefault("environment", {})[device] = env
+    data["results"] = merge(data["results"], new)
+    save(args.results, data)
+    print(f"\n{len(new)} results merged into {args.results}")
+    report(data, [device], args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""flash_kernel: a from-scratch FlashAttention-2 (Dao, 2023) CUDA extension and its PyTorch face.
+
+- `flash_attn_func(q, k, v, causal=True, softmax_scale=None, deterministic=False)`: (B, T, H, D) attention
+  on CUDA via the custom ops `flash_kernel::fwd` / `flash_kernel::bwd` (interface.py);
+- `is_available()` / `unavailable_reason()`: whether the compiled `flash_kernel._C` can run here;
+- `flash_kernel.reference`: the same tiled algorithm in PyTorch, CPU-runnable (reference_fwd/bwd/attn_func),
+  and `naive_attention`, the materialised-softmax oracle the tests compare against.
+
+Importing this package never needs CUDA or the built extension; `_C` is loaded on first use.
+"""
+
+from flash_kernel.interface import (
+    check_bwd_inputs,
+    check_inputs,
+    flash_attn_func,
+    is_available,
+    unavailable_reason,
+)
+from flash_kernel.reference import naive_attention, reference_attn_func, reference_bwd, reference_fwd
+
+__all__ = [
+    "check_bwd_inputs",
+    "check_inputs",
+    "flash_attn_func",
+    "is_available",
+    "naive_attention",
+    "reference_attn_func",
+    "reference_bwd",
+    "reference_fwd",
+    "unavailable_reason",
+]

@@ -1,0 +1,277 @@
+"""The PyTorch face of the FlashAttention-2 CUDA extension: custom ops, fake impls, autograd, input checks.
+
+Kernel: FlashAttention-2 (Dao, 2023), Algorithm 1 forward and Algorithm 2 backward, in flash_kernel/csrc.
+Here it becomes two torch.library custom ops,
+
+    flash_kernel::fwd(q, k, v, softmax_scale, causal, deterministic) -> (o, lse)
+    flash_kernel::bwd(do, q, k, v, o, lse, softmax_scale, causal, deterministic) -> (dq, dk, dv)
+
+with fake (meta) implementations and autograd registered, so torch.compile(fullgraph=True) traces
+through them without graph breaks and torch.library.opcheck passes. `flash_attn_func` is the user entry.
+
+The compiled module flash_kernel._C is imported lazily, inside the op, so `import flash_kernel` works on
+a machine without CUDA or without the built extension; `is_available()` / `unavailable_reason()` say
+which. Layout is (B, T, H, D) with a contiguous last dim and arbitrary other strides (views of a fused
+qkv projection need no copy); k/v may have fewer heads than q (GQA/MQA). Head dims: multiples of 8 up
+to MAX_HEAD_DIM for the forward, up to MAX_HEAD_DIM_BWD for the backward (larger ones are inference-only;
+flash_attn_func refuses them up front when a gradient is required).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from types import ModuleType
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIM_MULTIPLE = 8  # 16-byte vector loads of fp16/bf16; the kernel rounds head dims up to its tile inside
+MAX_HEAD_DIM = 256  # largest forward head-dim instantiation in csrc (kernel_traits.h kMaxHeadDim)
+MAX_HEAD_DIM_BWD = 128  # largest backward instantiation (csrc bwd_head_dim_supported); keep the two in sync
+STRIDE_MULTIPLE = 8  # cp.async moves 16 bytes = 8 fp16/bf16: every row start must be 16-byte aligned
+
+_BUILD_HINT = "build it with `make build` (or `python -m flash_kernel.build`)"
+
+_C: ModuleType | None = None
+_C_import_error: str | None = None
+
+
+def _try_import_C() -> ModuleType | None:
+    """Import flash_kernel._C once and remember why it failed, if it did."""
+    global _C, _C_import_error
+    if _C is None and _C_import_error is None:
+        try:
+            _C = importlib.import_module("flash_kernel._C")
+        except ImportError as e:  # not built, or built against another torch/CUDA (undefined symbols)
+            _C_import_error = f"{type(e).__name__}: {e}"
+    return _C
+
+
+def unavailable_reason() -> str | None:
+    """Why flash_attn_func cannot run here, or None if it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False); flash_kernel runs on NVIDIA GPUs only"
+    if _try_import_C() is None:
+        return f"the CUDA extension flash_kernel._C is not importable ({_C_import_error}); {_BUILD_HINT}"
+    return None
+
+
+def is_available() -> bool:
+    """True when a CUDA device is present and flash_kernel._C imports."""
+    return unavailable_reason() is None
+
+
+def _load_C() -> ModuleType:
+    C = _try_import_C()
+    if C is None:
+        raise RuntimeError(f"flash_kernel._C is not available ({_C_import_error}); {_BUILD_HINT}")
+    return C
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"flash_attn_func: {msg}")
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_device: bool = True) -> None:
+    """Validate q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) before they reach the kernel; raises ValueError naming the tensor.
+
+    check_device=False skips the CUDA-device check only, so the same checks run on CPU/meta tensors in tests.
+    """
+    named = (("q", q), ("k", k), ("v", v))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if check_device:
+        for name, t in named:
+            if t.device.type != "cuda":
+                _fail(f"{name} must be a CUDA tensor, got device '{t.device}'; move q, k, v to the GPU (.cuda())")
+        for name, t in named[1:]:
+            if t.device != q.device:
+                _fail(f"{name} is on {t.device} but q is on {q.device}; q, k, v must be on the same device")
+    for name, t in named:
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(f"{name} has dtype {t.dtype}; expected torch.float16 or torch.bfloat16 (cast, or use autocast)")
+    for name, t in named[1:]:
+        if t.dtype != q.dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k, v must share one dtype")
+    for name, t in named:
+        if t.dim() != 4:
+            _fail(f"{name} must have 4 dims (B, T, H, D), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        _fail(f"k and v must have the same shape (B, Tk, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    B, seqlen_q, Hq, D = q.shape
+    if k.shape[0] != B:
+        _fail(f"k has batch size {k.shape[0]} but q has {B}; expected k (B={B}, Tk, Hkv, D={D})")
+    if k.shape[3] != D:
+        _fail(f"k has head dim {k.shape[3]} but q has {D}; expected k (B={B}, Tk, Hkv, D={D})")
+    Hkv = k.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        _fail(f"q has {Hq} heads, not a multiple of the {Hkv} heads of k and v (GQA needs Hq % Hkv == 0)")
+    if D % HEAD_DIM_MULTIPLE != 0 or D > MAX_HEAD_DIM or D == 0:
+        _fail(f"q has head dim {D}; expected a multiple of {HEAD_DIM_MULTIPLE} in [8, {MAX_HEAD_DIM}] (pad the head dim)")
+    for name, t in named:
+        if t.numel() == 0:
+            _fail(f"{name} is empty, shape {tuple(t.shape)}; batch, sequence length and heads must be >= 1")
+    for name, t in named:
+        _check_strides(name, t)
+
+
+def _check_strides(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        _fail(
+            f"{name} must have a contiguous last dim (stride(-1) == 1), got strides {tuple(t.stride())}; "
+            f"pass {name}.contiguous() or a (B, T, H, D) view of a row-major tensor"
+        )
+    # Batch/seq/head strides are free, but each row must start 16-byte aligned for the kernel's cp.async
+    # (size-1 dims are exempt: their stride is never used).
+    if not _kernel_friendly(t):
+        _fail(
+            f"{name} must start at, and have batch/seq/head strides that are, multiples of {STRIDE_MULTIPLE} "
+            f"elements (16 bytes), got strides {tuple(t.stride())} and storage offset {t.storage_offset()}; "
+            f"pass {name}.contiguous()"
+        )
+
+
+def _check_bwd_head_dim(head_dim: int) -> None:
+    if head_dim > MAX_HEAD_DIM_BWD:
+        _fail(
+            f"the backward supports head dims up to {MAX_HEAD_DIM_BWD}, q has {head_dim}; use attention=sdpa for "
+            f"training with larger heads (the forward alone, e.g. under torch.no_grad(), supports {MAX_HEAD_DIM})"
+        )
+
+
+def check_bwd_inputs(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    check_device: bool = True,
+) -> None:
+    """check_inputs plus do/o like q, lse float32 (B, Hq, Tq) on q's device, and a head dim the backward has."""
+    check_inputs(q, k, v, check_device=check_device)
+    _check_bwd_head_dim(q.shape[-1])
+    B, seqlen_q, Hq, _ = q.shape
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != q.shape:
+            _fail(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if check_device and t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}")
+        _check_strides(name, t)
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (B, Hq, seqlen_q):
+        got = f"{lse.dtype} {tuple(lse.shape)}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        _fail(f"lse must be float32 of shape (B, Hq, Tq) = {(B, Hq, seqlen_q)}, got {got}")
+    if check_device and lse.device != q.device:
+        _fail(f"lse is on {lse.device} but q is on {q.device}")
+    if not lse.is_contiguous():
+        _fail(f"lse must be contiguous, got strides {tuple(lse.stride())}")
+
+
+@torch.library.custom_op("flash_kernel::fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` is unused by the forward (it is deterministic anyway); it is an input here so that
+    # setup_context can hand it to the backward, which is registered on this op.
+    check_inputs(q, k, v)
+    C = _load_C()
+    B, seqlen_q, Hq, D = q.shape
+    # Fresh contiguous outputs (not empty_like: q may be a strided view); the fake impl must match.
+    o = torch.empty((B, seqlen_q, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, seqlen_q), dtype=torch.float32, device=q.device)
+    C.fwd(q, k, v, o, lse, softmax_scale, causal)
+    return o, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic):
+    check_inputs(q, k, v)
+    B, seqlen_q, Hq, D = q.shape
+    o = q.new_empty((B, seqlen_q, Hq, D))
+    lse = q.new_empty((B, Hq, seqlen_q), dtype=torch.float32)
+    return o, lse
+
+
+@torch.library.custom_op("flash_kernel::bwd", mutates_args=())
+def _bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_bwd_inputs(do, q, k, v, o, lse)
+    C = _load_C()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    C.bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic)
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
+    check_bwd_inputs(do, q, k, v, o, lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _kernel_friendly(t: torch.Tensor) -> bool:
+    """The layout _check_strides accepts: contiguous last dim, 16-byte aligned rows."""
+    strides_ok = t.stride(-1) == 1 and all(t.shape[d] <= 1 or t.stride(d) % STRIDE_MULTIPLE == 0 for d in range(3))
+    # Dynamo cannot trace storage_offset() (a graph break); the op's real and fake impls check it instead.
+    if torch.compiler.is_dynamo_compiling():
+        return strides_ok
+    return strides_ok and t.storage_offset() % STRIDE_MULTIPLE == 0
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+
+
+def _backward(ctx, do, dlse):
+    # lse is an auxiliary output for the backward; a gradient flowing into it is not supported and ignored
+    # (flash_attn_func never returns lse to the user).
+    q, k, v, o, lse = ctx.saved_tensors
+    if not _kernel_friendly(do):  # e.g. the expanded gradient of a .sum(): all strides 0
+        do = do.contiguous()
+    dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return dq, dk, dv, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """FlashAttention-2: q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D), fp16/bf16 on CUDA -> o (B, Tq, Hq, D).
+
+    causal is aligned bottom-right (query i sees keys j <= i + Tk - Tq); softmax_scale defaults to
+    1/sqrt(D); deterministic=True makes the backward bitwise reproducible (no atomics, a little slower).
+    """
+    check_inputs(q, k, v)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _check_bwd_head_dim(q.shape[-1])  # fail before the forward, not after it, when training can't work
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    o, _lse = _fwd(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+    return o

@@ -1,0 +1,96 @@
+"""bench/kernel.py's CPU-side parts: FLOP convention, result merging, the table's ratio columns, the figure,
+and the refusal to benchmark without a GPU. (The timing itself only runs on the GPU machine.)"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+spec = importlib.util.spec_from_file_location("bench_kernel", Path(__file__).resolve().parents[1] / "bench" / "kernel.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+DEVICE = "NVIDIA Fake GPU"
+
+
+def _row(method, tflops, seqlen=2048, hd=128, causal=True, mode="fwd_bwd", status="ok", device=DEVICE):
+    return {
+        "device": device, "method": method, "hd": hd, "causal": causal, "seqlen": seqlen, "mode": mode,
+        "batch": 16384 // seqlen, "heads": 2048 // hd, "dtype": "bf16", "status": status,
+        "ms": 1.0 if status == "ok" else None, "tflops": tflops if status == "ok" else None,
+        "peak_mem_gib": 1.0 if status == "ok" else None, "note": "",
+    }  # fmt: skip
+
+
+def _synthetic():
+    rows = []
+    for seqlen in (512, 2048):
+        for mode in ("fwd", "fwd_bwd"):
+            rows += [
+                _row("naive", 20.0, seqlen, mode=mode),
+                _row("sdpa", 400.0, seqlen, mode=mode),
+                _row("sdpa_flash", 300.0, seqlen, mode=mode),
+                _row("sdpa_cudnn", 0, seqlen, mode=mode, status="n/a"),
+                _row("ours", 150.0, seqlen, mode=mode),
+            ]
+    rows.append(_row("naive", 0, 16384, mode="fwd_bwd", status="OOM"))
+    rows.append(_row("ours", 200.0, 2048, hd=64, causal=False, mode="bwd"))
+    return rows
+
+
+def test_flops_follow_the_fa2_paper():
+    assert bench.attention_flops(2, 3, 5, 7, causal=False, mode="fwd") == 4 * 2 * 3 * 5 * 5 * 7
+    assert bench.attention_flops(2, 3, 5, 7, causal=True, mode="fwd") == 2 * 2 * 3 * 5 * 5 * 7
+    fwd = bench.attention_flops(1, 16, 2048, 128, causal=True, mode="fwd")
+    assert bench.attention_flops(1, 16, 2048, 128, causal=True, mode="bwd") == 2.5 * fwd
+    assert bench.attention_flops(1, 16, 2048, 128, causal=True, mode="fwd_bwd") == 3.5 * fwd
+    assert bench.shape_for(2048, 128) == (8, 16) and bench.shape_for(16384, 64) == (1, 32)  # B*T = 16k, H*hd = 2048
+
+
+def test_merge_replaces_same_key_and_keeps_others():
+    old = [_row("ours", 100.0), _row("ours", 90.0, seqlen=512), _row("ours", 80.0, device="Other GPU")]
+    merged = bench.merge(old, [_row("ours", 150.0), _row("sdpa", 400.0)])
+    assert len(merged) == 4
+    ours_2k = [r for r in merged if r["method"] == "ours" and r["seqlen"] == 2048 and r["device"] == DEVICE]
+    assert [r["tflops"] for r in ours_2k] == [150.0]
+
+
+def test_save_and_load_round_trip(tmp_path):
+    path = tmp_path / "results" / "kernel.json"
+    bench.save(path, {"environment": {DEVICE: {"torch": "x"}}, "results": _synthetic()})
+    assert bench.load(path)["results"] == json.loads(path.read_text())["results"]
+    assert not list(path.parent.glob("*.tmp"))
+    assert bench.load(tmp_path / "missing.json") == {"environment": {}, "results": []}
+
+
+def test_table_has_ratio_columns_oom_and_na():
+    table = bench.format_table(_synthetic(), DEVICE)
+    assert "ours/FLASH" in table and "ours/SDPA" in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 2048 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[-2:] == ["0.50", "0.38"]  # 150 / 300 and 150 / 400
+    assert "| OOM |" in table and "n/a" in table
+    assert "forward + backward, hd 128, causal" in table and "backward, hd 64, non-causal" in table
+
+
+def test_plot_writes_png(tmp_path):
+    out = bench.plot(_synthetic(), DEVICE, tmp_path / f"kernel_{bench.device_slug(DEVICE)}.png")
+    assert out.name == "kernel_nvidia_fake_gpu.png"
+    assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_only_redraws_from_json(tmp_path, capsys):
+    path = tmp_path / "kernel.json"
+    bench.save(path, {"environment": {DEVICE: {"torch": "x"}}, "results": _synthetic()})
+    assert bench.main(["--plot-only", "--results", str(path)]) == 0
+    assert (tmp_path / "kernel_nvidia_fake_gpu.png").exists()
+    assert "ours/FLASH" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_refuses_to_benchmark_on_cpu(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--results", str(tmp_path / "kernel.json")])
+    assert not (tmp_path / "kernel.json").exists()

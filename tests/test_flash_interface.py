@@ -1,0 +1,260 @@
+"""CPU tests of flash_kernel's Python face (interface.py): importing without CUDA or the built extension,
+is_available()/unavailable_reason(), the input checks (each bad input names its tensor), the fake
+(meta) implementations under FakeTensorMode, and the custom-op + autograd wiring, exercised on CPU by
+standing the tiled PyTorch reference in for the compiled flash_kernel._C (same fwd/bwd signatures)."""
+
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_kernel
+from flash_kernel import interface
+from flash_kernel.reference import naive_attention, reference_bwd, reference_fwd
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _t(*shape, dtype=torch.bfloat16, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device) if device == "cpu" else torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _qkv(dtype=torch.bfloat16, device="cpu"):
+    return _t(2, 16, 4, 64, dtype=dtype, device=device), _t(2, 24, 2, 64, dtype=dtype, device=device), _t(2, 24, 2, 64, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------------------- availability
+def test_import_and_availability_without_cuda():
+    # A fresh interpreter with every GPU hidden, so this holds on the GPU machine as well as here.
+    code = "import flash_kernel as fk; print(fk.is_available()); print(fk.unavailable_reason())"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    available, reason = out.stdout.strip().splitlines()
+    assert available == "False" and "no CUDA device" in reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_is_available_false_here():
+    assert flash_kernel.is_available() is False
+    assert "CUDA" in flash_kernel.unavailable_reason()
+
+
+def test_reason_names_the_build_step_when_extension_missing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(interface, "_C", None)
+    monkeypatch.setattr(interface, "_C_import_error", None)
+    monkeypatch.setattr(interface.importlib, "import_module", _raise_import_error)
+    reason = flash_kernel.unavailable_reason()
+    assert "flash_kernel._C" in reason and "make build" in reason and "No module named" in reason
+    assert flash_kernel.is_available() is False
+    with pytest.raises(RuntimeError, match="make build"):
+        interface._load_C()
+
+
+def _raise_import_error(name):
+    raise ModuleNotFoundError(f"No module named '{name}'")
+
+
+def test_flash_attn_func_on_cpu_tensors_says_to_use_cuda():
+    with pytest.raises(ValueError, match=r"q must be a CUDA tensor, got device 'cpu'"):
+        flash_kernel.flash_attn_func(*_qkv())
+
+
+def test_op_on_cpu_tensors_says_to_use_cuda():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        torch.ops.flash_kernel.fwd(q, k, v, 0.125, True, False)
+
+
+# ---------------------------------------------------------------------------------------- input checks
+BAD = {
+    "q_not_tensor": (lambda q, k, v: (q.tolist(), k, v), r"q must be a torch.Tensor, got list"),
+    "q_fp32": (lambda q, k, v: (q.float(), k, v), r"q has dtype torch.float32; expected torch.float16 or torch.bfloat16"),
+    "k_int": (lambda q, k, v: (q, k.to(torch.int32), v), r"k has dtype torch.int32; expected"),
+    "v_other_low_precision": (lambda q, k, v: (q, k, v.half()), r"v has dtype torch.float16 but q has torch.bfloat16"),
+    "q_rank3": (lambda q, k, v: (q[0], k, v), r"q must have 4 dims \(B, T, H, D\)"),
+    "v_rank5": (lambda q, k, v: (q, k, v[None]), r"v must have 4 dims"),
+    "k_v_mismatch": (lambda q, k, v: (q, k, v[:, :5]), r"k and v must have the same shape"),
+    "batch_mismatch": (lambda q, k, v: (q, k[:1], v[:1]), r"k has batch size 1 but q has 2"),
+    "head_dim_mismatch": (lambda q, k, v: (q, k[..., :32], v[..., :32]), r"k has head dim 32 but q has 64"),
+    "heads_not_divisible": (lambda q, k, v: (q[:, :, :3], k, v), r"q has 3 heads, not a multiple of the 2 heads of k and v"),
+    "head_dim_12": (lambda q, k, v: tuple(t[..., :12] for t in (q, k, v)), r"head dim 12; expected a multiple of 8 in \[8, 256\]"),
+    "head_dim_264": (lambda q, k, v: tuple(_t(*t.shape[:3], 264) for t in (q, k, v)), r"head dim 264; expected a multiple of 8"),
+    "empty_seq": (lambda q, k, v: (q[:, :0], k, v), r"q is empty"),
+    "q_head_stride_not_multiple_of_8": (lambda q, k, v: (_t(2, 16, 4, 68)[..., :64], k, v), r"q must start at, and have batch/seq/head strides that are, multiples of 8"),
+    "v_storage_offset_misaligned": (lambda q, k, v: (q, k, _t(2 * 24 * 2 * 64 + 4)[4:].view(2, 24, 2, 64)), r"v must start at.*storage offset 4"),
+    "q_last_dim_strided": (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), r"q must have a contiguous last dim"),
+    "k_last_dim_strided": (lambda q, k, v: (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v), r"k must have a contiguous last dim"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_check_inputs_names_the_tensor(case):
+    make, match = BAD[case]
+    with pytest.raises(ValueError, match=match):
+        interface.check_inputs(*make(*_qkv()), check_device=False)
+
+
+def test_check_inputs_accepts_good_inputs():
+    interface.check_inputs(*_qkv(), check_device=False)
+    interface.check_inputs(*_qkv(torch.float16), check_device=False)
+    qkv = _t(2, 9, 3, 4, 64)  # (B, T, 3, H, D): strided views with a contiguous last dim are fine
+    interface.check_inputs(*qkv.unbind(dim=2), check_device=False)
+    # meta tensors: shape-only checks need no data
+    q, k, v = _qkv(device="meta")
+    interface.check_inputs(q, k, v, check_device=False)
+
+
+def test_check_inputs_device_check():
+    with pytest.raises(ValueError, match="q must be a CUDA tensor, got device 'meta'"):
+        interface.check_inputs(*_qkv(device="meta"))
+    with FakeTensorMode(allow_non_fake_inputs=True):  # fake CUDA tensors need no GPU
+        q, k, v = _qkv(device="cuda")
+        with pytest.raises(ValueError, match="k must be a CUDA tensor, got device 'cpu'"):
+            interface.check_inputs(q, k.to("cpu"), v)
+        with pytest.raises(ValueError, match=r"v is on cuda:1 but q is on cuda:0"):
+            interface.check_inputs(q, k, v.to("cuda:1"))
+        interface.check_inputs(q, k, v)
+
+
+def test_check_bwd_inputs():
+    q, k, v = _qkv()
+    o, do = torch.empty_like(q), torch.randn_like(q)
+    lse = torch.empty(2, 4, 16)
+    interface.check_bwd_inputs(do, q, k, v, o, lse, check_device=False)
+    with pytest.raises(ValueError, match=r"do must have the shape of q"):
+        interface.check_bwd_inputs(do[:, :5], q, k, v, o, lse, check_device=False)
+    with pytest.raises(ValueError, match=r"o has dtype torch.float16 but q has torch.bfloat16"):
+        interface.check_bwd_inputs(do, q, k, v, o.half(), lse, check_device=False)
+    with pytest.raises(ValueError, match=r"lse must be float32 of shape \(B, Hq, Tq\) = \(2, 4, 16\)"):
+        interface.check_bwd_inputs(do, q, k, v, o, lse.bfloat16(), check_device=False)
+    with pytest.raises(ValueError, match=r"lse must be float32"):
+        interface.check_bwd_inputs(do, q, k, v, o, lse.transpose(1, 2), check_device=False)
+    with pytest.raises(ValueError, match=r"the backward supports head dims up to 128, q has 256"):
+        q2, k2, v2 = (_t(*t.shape[:3], 256) for t in (q, k, v))
+        interface.check_bwd_inputs(_t(*q2.shape), q2, k2, v2, _t(*q2.shape), lse, check_device=False)
+    with pytest.raises(ValueError, match=r"do must have a contiguous last dim"):
+        interface.check_bwd_inputs(do.transpose(-1, -2).contiguous().transpose(-1, -2), q, k, v, o, lse, check_device=False)
+
+
+# --------------------------------------------------------------------------------- fake implementations
+def test_fake_impls_give_kernel_shapes():
+    with FakeTensorMode():
+        q = torch.empty(2, 17, 8, 80, dtype=torch.bfloat16, device="cuda")  # (B, Tq, Hq, D)
+        k = torch.empty(2, 33, 2, 80, dtype=torch.bfloat16, device="cuda")  # (B, Tk, Hkv, D)
+        v = torch.empty(2, 33, 2, 80, dtype=torch.bfloat16, device="cuda")
+        o, lse = torch.ops.flash_kernel.fwd(q, k, v, 0.1, True, False)
+        assert o.shape == q.shape and o.dtype == q.dtype and o.device == q.device and o.is_contiguous()
+        assert lse.shape == (2, 8, 17) and lse.dtype == torch.float32 and lse.is_contiguous()
+        dq, dk, dv = torch.ops.flash_kernel.bwd(torch.empty_like(o), q, k, v, o, lse, 0.1, True, True)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+        # strided input views still give contiguous outputs, as the real op allocates them
+        qkv = torch.empty(2, 17, 3, 8, 80, dtype=torch.float16, device="cuda")  # (B, T, 3, H, D)
+        o, _ = torch.ops.flash_kernel.fwd(*qkv.unbind(dim=2), 0.1, False, False)
+        assert o.shape == (2, 17, 8, 80) and o.is_contiguous()
+
+
+def test_fake_impl_runs_the_input_checks():
+    with FakeTensorMode():
+        q = torch.empty(2, 17, 6, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 33, 4, 64, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="q has 6 heads"):
+            torch.ops.flash_kernel.fwd(q, k, k, 0.1, True, False)
+
+
+# ------------------------------------------------- op + autograd wiring, with the reference standing in for _C
+def _reference_C():
+    """A stand-in for flash_kernel._C with the contract's signatures, writing into caller-allocated outputs."""
+
+    def fwd(q, k, v, o, lse, softmax_scale, causal):
+        o_, lse_ = reference_fwd(q, k, v, causal, softmax_scale)
+        o.copy_(o_)
+        lse.copy_(lse_)
+
+    def bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic):
+        for out, g in zip((dq, dk, dv), reference_bwd(do, q, k, v, o, lse, causal, softmax_scale)):
+            out.copy_(g)
+
+    return types.SimpleNamespace(fwd=fwd, bwd=bwd)
+
+
+@pytest.fixture
+def cpu_op(monkeypatch):
+    # The op bodies look up check_inputs/check_bwd_inputs/_load_C as module globals, so this reroutes them.
+    monkeypatch.setattr(interface, "_load_C", _reference_C)
+    monkeypatch.setattr(interface, "check_inputs", lambda q, k, v, check_device=True: _check(q, k, v))
+    check_bwd = interface.check_bwd_inputs
+    monkeypatch.setattr(interface, "check_bwd_inputs", lambda *a, check_device=True: check_bwd(*a, check_device=False))
+
+
+_check_inputs_unpatched = interface.check_inputs
+
+
+def _check(q, k, v):
+    _check_inputs_unpatched(q, k, v, check_device=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autograd_through_the_ops(cpu_op, causal):
+    q, k, v = (t.float().requires_grad_() for t in _qkv())
+    q16, k16, v16 = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    o = flash_kernel.flash_attn_func(q16, k16, v16, causal=causal)
+    do = torch.randn_like(o)
+    o.backward(do)
+    o_ref, _ = naive_attention(q, k, v, causal)
+    o_ref.backward(do.float())
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape
+    assert (o.float() - o_ref).abs().max() < 2e-2
+    for ours, ref in ((q16.grad, q.grad), (k16.grad, k.grad), (v16.grad, v.grad)):
+        assert ours.dtype == torch.bfloat16 and torch.isfinite(ours).all()
+        assert (ours.float() - ref).abs().max() < 3e-2 * max(1.0, ref.abs().max().item())
+
+
+def test_training_with_forward_only_head_dim_fails_before_the_forward(cpu_op):
+    q, k, v = (_t(*t.shape[:3], 256) for t in _qkv())
+    with pytest.raises(ValueError, match="backward supports head dims up to"):
+        flash_kernel.flash_attn_func(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        assert flash_kernel.flash_attn_func(q, k, v).shape == q.shape
+
+
+def test_default_scale_and_expanded_grad(cpu_op):
+    q, k, v = (t.requires_grad_() for t in _qkv(torch.float16))
+    flash_kernel.flash_attn_func(q, k, v).sum().backward()  # expanded grad with stride(-1) == 0
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    o_default = flash_kernel.flash_attn_func(q, k, v)
+    o_explicit = flash_kernel.flash_attn_func(q, k, v, softmax_scale=1 / math.sqrt(64))
+    assert torch.equal(o_default, o_explicit)
+
+
+def test_opcheck_on_cpu_stand_in(cpu_op):
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    torch.library.opcheck(torch.ops.flash_kernel.fwd.default, (q, k, v, 0.125, True, True))
+    q, k, v = (t.detach() for t in (q, k, v))
+    o, lse = torch.ops.flash_kernel.fwd(q, k, v, 0.125, True, True)
+    torch.library.opcheck(torch.ops.flash_kernel.bwd.default, (torch.randn_like(o), q, k, v, o, lse, 0.125, True, True))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_on_cpu_stand_in(cpu_op, dynamic):
+    # The GPU suite runs this against the kernel; here it proves the Python face traces (forward and
+    # backward, through AOTAutograd and the fake impls) without a graph break.
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        return (flash_kernel.flash_attn_func(q, k, v, causal=True).float() * 2).square().mean()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for T in (16, 24):
+        q, k, v = (t.requires_grad_() for t in (_t(2, T, 4, 64), _t(2, T + 8, 2, 64), _t(2, T + 8, 2, 64)))
+        grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+        grads_eager = torch.autograd.grad(fn(q, k, v), (q, k, v))
+        for a, b in zip(grads, grads_eager):
+            torch.testing.assert_close(a, b)
