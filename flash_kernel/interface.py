@@ -13,8 +13,7 @@ The compiled module flash_kernel._C is imported lazily, inside the op, so `impor
 a machine without CUDA or without the built extension; `is_available()` / `unavailable_reason()` say
 which. Layout is (B, T, H, D) with a contiguous last dim and arbitrary other strides (views of a fused
 qkv projection need no copy); k/v may have fewer heads than q (GQA/MQA). Head dims: multiples of 8 up
-to MAX_HEAD_DIM for the forward, up to MAX_HEAD_DIM_BWD for the backward (larger ones are inference-only;
-flash_attn_func refuses them up front when a gradient is required).
+to MAX_HEAD_DIM, forward and backward.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8  # 16-byte vector loads of fp16/bf16; the kernel rounds head dims up to its tile inside
-MAX_HEAD_DIM = 256  # largest forward head-dim instantiation in csrc (kernel_traits.h kMaxHeadDim)
-MAX_HEAD_DIM_BWD = 128  # largest backward instantiation (csrc bwd_head_dim_supported); keep the two in sync
+MAX_HEAD_DIM = 256  # largest head-dim instantiation in csrc, fwd and bwd (kernel_traits.h kMaxHeadDim)
 STRIDE_MULTIPLE = 8  # cp.async moves 16 bytes = 8 fp16/bf16: every row start must be 16-byte aligned
 
 _BUILD_HINT = "build it with `make build` (or `python -m flash_kernel.build`)"
@@ -133,14 +131,6 @@ def _check_strides(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_bwd_head_dim(head_dim: int) -> None:
-    if head_dim > MAX_HEAD_DIM_BWD:
-        _fail(
-            f"the backward supports head dims up to {MAX_HEAD_DIM_BWD}, q has {head_dim}; use attention=sdpa for "
-            f"training with larger heads (the forward alone, e.g. under torch.no_grad(), supports {MAX_HEAD_DIM})"
-        )
-
-
 def check_bwd_inputs(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -153,7 +143,6 @@ def check_bwd_inputs(
 ) -> None:
     """check_inputs plus do/o like q, lse float32 (B, Hq, Tq) on q's device, and a head dim the backward has."""
     check_inputs(q, k, v, check_device=check_device)
-    _check_bwd_head_dim(q.shape[-1])
     B, seqlen_q, Hq, _ = q.shape
     for name, t in (("do", do), ("o", o)):
         if not isinstance(t, torch.Tensor):
@@ -269,8 +258,6 @@ def flash_attn_func(
     1/sqrt(D); deterministic=True makes the backward bitwise reproducible (no atomics, a little slower).
     """
     check_inputs(q, k, v)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        _check_bwd_head_dim(q.shape[-1])  # fail before the forward, not after it, when training can't work
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     o, _lse = _fwd(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))

@@ -1,0 +1,212 @@
+// flash_kernel._C: the torch binding of the FlashAttention-2 kernels (the only file that includes torch).
+//
+// fwd(q, k, v, o, lse, softmax_scale, causal)
+// bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic)
+// Both write into caller-allocated outputs (which may be poisoned; every element is written), validate
+// every input with an error that names the tensor, and launch on the current CUDA stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+#include "flash_launch.h"
+#include "kernel_traits.h"
+
+namespace {
+
+constexpr int kAlignElems = 8;    // cp.async moves 16 bytes = 8 bf16/fp16: strides must be multiples of 8
+constexpr int kAlignBytes = 16;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    TORCH_CHECK(t.is_cuda(), "flash_kernel: ", name, " must be a CUDA tensor, got a tensor on ", t.device(),
+                "; move it with .cuda()");
+    TORCH_CHECK(t.device() == q.device(), "flash_kernel: ", name, " is on ", t.device(), " but q is on ", q.device(),
+                "; all tensors must be on one device");
+}
+
+void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    check_cuda_tensor(t, name, q);
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_kernel: ", name, " has dtype ", t.scalar_type(),
+                " but q has dtype ", q.scalar_type(), "; all of q, k, v (and o, do, dq, dk, dv) must share one dtype");
+    TORCH_CHECK(t.dim() == 4, "flash_kernel: ", name, " must have rank 4 (B, T, H, D), got shape ", t.sizes());
+    TORCH_CHECK(t.stride(3) == 1, "flash_kernel: ", name, " must have a contiguous last dim (stride 1), got strides ",
+                t.strides(), "; call .contiguous() on it");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignBytes == 0, "flash_kernel: ", name,
+                " data pointer must be 16-byte aligned");
+    for (int dim = 0; dim < 3; ++dim) {
+        TORCH_CHECK(t.size(dim) <= 1 || t.stride(dim) % kAlignElems == 0, "flash_kernel: ", name, " stride of dim ",
+                    dim, " must be a multiple of 8 elements (16 bytes), got strides ", t.strides(), "; call .contiguous()");
+    }
+}
+
+void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected) {
+    TORCH_CHECK(t.sizes() == expected, "flash_kernel: ", name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+void check_lse(const at::Tensor& lse, const at::Tensor& q, int64_t b, int64_t h, int64_t tq) {
+    check_cuda_tensor(lse, "lse", q);
+    TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_kernel: lse must be float32, got ", lse.scalar_type());
+    TORCH_CHECK(lse.dim() == 3, "flash_kernel: lse must have rank 3 (B, Hq, Tq), got shape ", lse.sizes());
+    check_shape(lse, "lse", {b, h, tq});
+    TORCH_CHECK(lse.is_contiguous(), "flash_kernel: lse must be contiguous");
+}
+
+// Strides of size-1 dims are meaningless (and can be anything); zero them so the kernels never use them.
+int64_t stride_of(const at::Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
+
+struct Sizes {
+    int64_t b, tq, tk, h, h_k, d;
+};
+
+// Validation shared by fwd and bwd; returns the sizes.
+Sizes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK(q.is_cuda(), "flash_kernel: q must be a CUDA tensor, got a tensor on ", q.device(),
+                "; move it with .cuda()");
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                "flash_kernel: q must be bfloat16 or float16, got ", q.scalar_type(), "; cast with .to(torch.bfloat16)");
+    check_qkv_like(q, "q", q);
+    check_qkv_like(k, "k", q);
+    check_qkv_like(v, "v", q);
+    const auto cc = at::cuda::getDeviceProperties(q.device().index());
+    TORCH_CHECK(cc->major >= 8, "flash_kernel: needs an sm80+ GPU (A100, H100, ...), got compute capability ",
+                cc->major, ".", cc->minor);
+    Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+    TORCH_CHECK(s.d % kAlignElems == 0 && s.d > 0 && s.d <= flash::kMaxHeadDim, "flash_kernel: head dim (q.shape[3]) ",
+                s.d, " unsupported: it must be a positive multiple of 8 and at most ", flash::kMaxHeadDim);
+    check_shape(k, "k", {s.b, s.tk, s.h_k, s.d});
+    check_shape(v, "v", {s.b, s.tk, s.h_k, s.d});
+    TORCH_CHECK(s.h_k > 0 && s.h % s.h_k == 0, "flash_kernel: the number of query heads (q.shape[2] = ", s.h,
+                ") must be a multiple of the number of key/value heads (k.shape[2] = ", s.h_k, ")");
+    TORCH_CHECK(s.tq >= 1 && s.tk >= 1, "flash_kernel: sequence lengths must be >= 1, got Tq = ", s.tq, ", Tk = ", s.tk);
+    TORCH_CHECK(s.b <= 65535 && s.h <= 65535, "flash_kernel: batch and head count must be <= 65535 (grid limits)");
+    return s;
+}
+
+void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
+    p.q_ptr = q.data_ptr();
+    p.k_ptr = k.data_ptr();
+    p.v_ptr = v.data_ptr();
+    p.o_ptr = o.data_ptr();
+    p.lse_ptr = lse.data_ptr<float>();
+    p.q_batch_stride = stride_of(q, 0); p.q_row_stride = stride_of(q, 1); p.q_head_stride = stride_of(q, 2);
+    p.k_batch_stride = stride_of(k, 0); p.k_row_stride = stride_of(k, 1); p.k_head_stride = stride_of(k, 2);
+    p.v_batch_stride = stride_of(v, 0); p.v_row_stride = stride_of(v, 1); p.v_head_stride = stride_of(v, 2);
+    p.o_batch_stride = stride_of(o, 0); p.o_row_stride = stride_of(o, 1); p.o_head_stride = stride_of(o, 2);
+    p.b = static_cast<int>(s.b);
+    p.h = static_cast<int>(s.h);
+    p.h_k = static_cast<int>(s.h_k);
+    p.h_h_k_ratio = static_cast<int>(s.h / s.h_k);
+    p.seqlen_q = static_cast<int>(s.tq);
+    p.seqlen_k = static_cast<int>(s.tk);
+    p.d = static_cast<int>(s.d);
+    p.d_rounded = flash::round_head_dim(p.d);
+    p.scale_softmax = static_cast<float>(softmax_scale);
+    p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    p.is_causal = causal;
+    p.is_bf16 = q.scalar_type() == at::kBFloat16;
+}
+
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
+         double softmax_scale, bool causal) {
+    const Sizes s = check_inputs(q, k, v);
+    check_qkv_like(o, "o", q);
+    check_shape(o, "o", q.sizes());
+    check_lse(lse, q, s.b, s.h, s.tq);
+    TORCH_CHECK(std::isfinite(softmax_scale), "flash_kernel: softmax_scale must be finite, got ", softmax_scale);
+    if (s.b == 0 || s.h == 0) return;
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    flash::FwdParams p{};
+    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
+    const cudaError_t err = flash::run_mha_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == cudaSuccess, "flash_kernel: forward launch failed: ", cudaGetErrorString(err));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+         const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, double softmax_scale, bool causal,
+         bool deterministic) {
+    const Sizes s = check_inputs(q, k, v);
+    check_qkv_like(o, "o", q);
+    check_shape(o, "o", q.sizes());
+    check_qkv_like(dout, "do", q);
+    check_shape(dout, "do", q.sizes());
+    check_lse(lse, q, s.b, s.h, s.tq);
+    check_qkv_like(dq, "dq", q);
+    check_shape(dq, "dq", q.sizes());
+    check_qkv_like(dk, "dk", q);
+    check_shape(dk, "dk", k.sizes());
+    check_qkv_like(dv, "dv", q);
+    check_shape(dv, "dv", v.sizes());
+    TORCH_CHECK(std::isfinite(softmax_scale), "flash_kernel: softmax_scale must be finite, got ", softmax_scale);
+    const int d_rounded = flash::round_head_dim(static_cast<int>(s.d));
+    TORCH_CHECK(flash::bwd_head_dim_supported(d_rounded), "flash_kernel: backward supports head dims up to ",
+                flash::kMaxHeadDim, ", got ", s.d);
+    // Head dim 256 splits each head's columns over 2 thread blocks along grid.y.
+    TORCH_CHECK(d_rounded <= 128 || s.h <= 65535 / 2, "flash_kernel: backward with head dim > 128 supports at most ",
+                65535 / 2, " query heads, got ", s.h);
+    if (s.b == 0 || s.h == 0) return;
+
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    const auto f32 = q.options().dtype(at::kFloat);
+
+    // Deterministic: one ordered worker per split, about one wave of thread blocks in all.
+    const int64_t num_n_blocks = ceil_div(s.tk, flash::bwd_block_n(d_rounded));
+    int num_splits = 1;
+    if (deterministic) {
+        const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+        const int64_t heads = s.b * s.h;
+        num_splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_n_blocks, ceil_div(num_sms, heads))));
+    }
+    at::Tensor delta = at::empty({s.b, s.h, s.tq}, f32);                               // (B, Hq, Tq)
+    at::Tensor dq_accum = at::zeros({int64_t{num_splits}, s.b, s.h, s.tq, int64_t{d_rounded}}, f32);     // (S, B, Hq, Tq, Dr)
+    // GQA/MQA: per-query-head dK/dV, summed over each group below.
+    const bool grouped = s.h != s.h_k;
+    at::Tensor dk_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dk;  // (B, Tk, Hq, D)
+    at::Tensor dv_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dv;
+
+    flash::BwdParams p{};
+    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
+    p.do_ptr = dout.data_ptr();
+    p.dq_ptr = dq.data_ptr();
+    p.dk_ptr = dk_expanded.data_ptr();
+    p.dv_ptr = dv_expanded.data_ptr();
+    p.do_batch_stride = stride_of(dout, 0); p.do_row_stride = stride_of(dout, 1); p.do_head_stride = stride_of(dout, 2);
+    p.dq_batch_stride = stride_of(dq, 0); p.dq_row_stride = stride_of(dq, 1); p.dq_head_stride = stride_of(dq, 2);
+    p.dk_batch_stride = stride_of(dk_expanded, 0); p.dk_row_stride = stride_of(dk_expanded, 1);
+    p.dk_head_stride = stride_of(dk_expanded, 2);
+    p.dv_batch_stride = stride_of(dv_expanded, 0); p.dv_row_stride = stride_of(dv_expanded, 1);
+    p.dv_head_stride = stride_of(dv_expanded, 2);
+    p.delta_ptr = delta.data_ptr<float>();
+    p.dq_accum_ptr = dq_accum.data_ptr<float>();
+    p.dq_accum_split_stride = s.b * s.h * s.tq * d_rounded;
+    p.num_splits = num_splits;
+    p.deterministic = deterministic;
+
+    const cudaError_t err = flash::run_mha_bwd(p, at::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == cudaSuccess, "flash_kernel: backward launch failed: ", cudaGetErrorString(err));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    if (grouped) {
+        // (B, Tk, Hkv, group, D) summed over group: a fixed-order reduction, so deterministic too.
+        const int64_t group = s.h / s.h_k;
+        at::sum_out(dk, dk_expanded.view({s.b, s.tk, s.h_k, group, s.d}), {3});
+        at::sum_out(dv, dv_expanded.view({s.b, s.tk, s.h_k, group, s.d}), {3});
+    }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "FlashAttention-2 forward/backward CUDA kernels (mma.sync, sm80+); see flash_kernel/csrc";
+    m.def("fwd", &fwd, "FlashAttention-2 forward into caller-allocated o and lse", py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
+    m.def("bwd", &bwd, "FlashAttention-2 backward into caller-allocated dq, dk, dv", py::arg("dout"), py::arg("q"),
+          py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+          py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"));
+}

@@ -1,0 +1,6 @@
+// Explicit instantiation: backward, head dim 32, fp16 (one file per instantiation: parallel ninja build).
+#include "flash_bwd_launch_template.cuh"
+
+namespace flash {
+template cudaError_t run_mha_bwd_<__half, 32>(const BwdParams& params, cudaStream_t stream);
+}  // namespace flash

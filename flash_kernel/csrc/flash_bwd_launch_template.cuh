@@ -1,0 +1,46 @@
+// Launch of the three backward kernels for one (dtype, head dim); included by flash_bwd_hdim*.cu.
+#pragma once
+
+#include "flash_bwd_kernel.cuh"
+#include "flash_launch.h"
+#include "static_switch.h"
+
+namespace flash {
+
+constexpr int kBwdDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
+constexpr int kConvertMaxBlocks = 65535;          // the convert kernel is grid-stride beyond this
+
+template <typename Element, int kHeadDim>
+cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
+    using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
+
+    // Alg. 2 line 4.
+    const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
+    const int64_t pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
+    bwd_preprocess_kernel<Element><<<static_cast<unsigned>(pre_blocks), kPreprocessWarps * kWarpSize, 0, stream>>>(params);
+    FLASH_LAUNCH_CHECK();
+
+    // Alg. 2 lines 6-20: parallel over K/V blocks (or num_splits ordered workers), heads, batch.
+    FLASH_RETURN_IF_ERROR(FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
+        auto kernel = &flash_bwd_kernel<Traits, kIsCausal>;
+        constexpr int kSmem = Traits::kSmemBytes;
+        if (kSmem > kBwdDefaultSmemBytes) {
+            FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        }
+        const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
+        const int grid_x = params.deterministic ? params.num_splits : num_n_blocks;
+        const dim3 grid(grid_x, params.h * Traits::kColSplits, params.b);
+        kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+        FLASH_LAUNCH_CHECK();
+        return cudaSuccess;
+    }));
+
+    // dQ = scale * sum_splits(dq_accum) -> input dtype.
+    const int64_t vecs = rows * (params.d / kConvertVec);
+    const int64_t conv_blocks = std::min<int64_t>((vecs + kConvertThreads - 1) / kConvertThreads, kConvertMaxBlocks);
+    bwd_convert_dq_kernel<Element><<<static_cast<unsigned>(conv_blocks), kConvertThreads, 0, stream>>>(params);
+    FLASH_LAUNCH_CHECK();
+    return cudaSuccess;
+}
+
+}  // namespace flash

@@ -1,0 +1,39 @@
+// Runtime dtype / head-dim dispatch onto the explicit instantiations (flash_{fwd,bwd}_hdim*.cu).
+#include "flash_launch.h"
+#include "kernel_traits.h"
+#include "static_switch.h"
+
+namespace flash {
+
+cudaError_t run_mha_fwd(const FwdParams& params, cudaStream_t stream) {
+    return FLASH_DTYPE_SWITCH(params.is_bf16, Element, [&] {
+        return FLASH_HEADDIM_SWITCH(params.d_rounded, kHeadDim, [&] { return run_mha_fwd_<Element, kHeadDim>(params, stream); });
+    });
+}
+
+bool bwd_head_dim_supported(int head_dim_rounded) { return head_dim_rounded <= kMaxHeadDim; }
+
+int bwd_block_n(int head_dim_rounded) {
+    switch (head_dim_rounded) {
+        case 32: return BwdConfig<32, __nv_bfloat16>::Traits::kBlockN;
+        case 64: return BwdConfig<64, __nv_bfloat16>::Traits::kBlockN;
+        case 96: return BwdConfig<96, __nv_bfloat16>::Traits::kBlockN;
+        case 128: return BwdConfig<128, __nv_bfloat16>::Traits::kBlockN;
+        default: return BwdConfig<256, __nv_bfloat16>::Traits::kBlockN;
+    }
+}
+
+cudaError_t run_mha_bwd(const BwdParams& params, cudaStream_t stream) {
+    if (!bwd_head_dim_supported(params.d_rounded)) return cudaErrorNotSupported;
+    return FLASH_DTYPE_SWITCH(params.is_bf16, Element, [&]() -> cudaError_t {
+        switch (params.d_rounded) {
+            case 32: return run_mha_bwd_<Element, 32>(params, stream);
+            case 64: return run_mha_bwd_<Element, 64>(params, stream);
+            case 96: return run_mha_bwd_<Element, 96>(params, stream);
+            case 128: return run_mha_bwd_<Element, 128>(params, stream);
+            default: return run_mha_bwd_<Element, 256>(params, stream);
+        }
+    });
+}
+
+}  // namespace flash

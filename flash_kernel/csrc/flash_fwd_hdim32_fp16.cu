@@ -1,0 +1,6 @@
+// Explicit instantiation: forward, head dim 32, fp16 (one file per instantiation: parallel ninja build).
+#include "flash_fwd_launch_template.cuh"
+
+namespace flash {
+template cudaError_t run_mha_fwd_<__half, 32>(const FwdParams& params, cudaStream_t stream);
+}  // namespace flash

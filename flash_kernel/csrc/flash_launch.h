@@ -1,0 +1,38 @@
+// Torch-free launch entry points. flash_api.cpp (the only file that sees torch) fills the params and
+// passes the current stream; every function returns the first CUDA error (launch or attribute) so the
+// binding can raise it with context, and never synchronizes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flash_params.h"
+
+// Every launch is followed by this: report a bad configuration / launch failure to the caller.
+#define FLASH_LAUNCH_CHECK()                              \
+    do {                                                  \
+        const cudaError_t flash_err_ = cudaGetLastError(); \
+        if (flash_err_ != cudaSuccess) return flash_err_;  \
+    } while (0)
+
+#define FLASH_RETURN_IF_ERROR(expr)                       \
+    do {                                                  \
+        const cudaError_t flash_err_ = (expr);            \
+        if (flash_err_ != cudaSuccess) return flash_err_;  \
+    } while (0)
+
+namespace flash {
+
+// One explicit instantiation per (dtype, head dim), each in its own .cu file so ninja builds them in
+// parallel; the causal flag is switched inside (two kernels per file).
+template <typename Element, int kHeadDim> cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim> cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream);
+
+// Dispatch on params.is_bf16 / params.d_rounded (flash_dispatch.cu).
+cudaError_t run_mha_fwd(const FwdParams& params, cudaStream_t stream);
+// Preprocess (delta), main backward, dQ convert. Caller provides zeroed dq_accum and delta.
+cudaError_t run_mha_bwd(const BwdParams& params, cudaStream_t stream);
+
+bool bwd_head_dim_supported(int head_dim_rounded);  // head dims with a backward instantiation
+int bwd_block_n(int head_dim_rounded);              // keys per backward thread block (sizes num_splits)
+
+}  // namespace flash

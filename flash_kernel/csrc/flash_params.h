@@ -1,0 +1,66 @@
+// Torch-free parameters of the FlashAttention-2 kernels (forward and backward).
+//
+// Everything a kernel needs is plain data: device pointers, strides in ELEMENTS (not bytes), sizes,
+// the softmax scale and flags. flash_api.cpp fills these from at::Tensor; nothing below includes torch,
+// so the kernels compile (and can be inspected with `nvcc -Xptxas -v`) on a machine without torch's
+// CUDA headers. Strides are int64 because B*T*H*D overflows int32 for long sequences.
+#pragma once
+
+#include <cstdint>
+
+namespace flash {
+
+struct FwdParams {
+    // Layout of every tensor: (B, T, H, D) with stride(D) == 1; batch/row/head strides arbitrary.
+    const void* q_ptr;
+    const void* k_ptr;
+    const void* v_ptr;
+    void* o_ptr;
+    float* lse_ptr;  // (B, Hq, Tq) contiguous, natural-log log-sum-exp per query row
+
+    int64_t q_batch_stride, q_row_stride, q_head_stride;
+    int64_t k_batch_stride, k_row_stride, k_head_stride;
+    int64_t v_batch_stride, v_row_stride, v_head_stride;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+
+    int b;               // batch
+    int h;               // query heads (Hq)
+    int h_k;             // key/value heads (Hkv), divides h
+    int h_h_k_ratio;     // h / h_k: query head i reads kv head i / h_h_k_ratio
+    int seqlen_q;        // Tq >= 1
+    int seqlen_k;        // Tk >= 1
+    int d;               // the caller's head dim (multiple of 8, <= the instantiated kHeadDim)
+    int d_rounded;       // the instantiated kHeadDim that runs it
+
+    float scale_softmax;       // usually 1/sqrt(d)
+    float scale_softmax_log2;  // scale_softmax * log2(e): softmax runs on exp2
+
+    bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
+    bool is_bf16;    // else fp16
+};
+
+struct BwdParams : public FwdParams {
+    const void* do_ptr;
+    void* dq_ptr;
+    void* dk_ptr;  // (B, Tk, Hq, D) expanded buffer when h != h_k (summed over groups by the caller)
+    void* dv_ptr;
+
+    int64_t do_batch_stride, do_row_stride, do_head_stride;
+    int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+    // Workspaces allocated by the caller.
+    float* delta_ptr;     // (B, Hq, Tq): rowsum(dO * O), Alg. 2 line 4
+    float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, d_rounded) fp32, zero-initialised
+    int64_t dq_accum_split_stride;  // elements between splits = B * Hq * Tq * d_rounded
+
+    // Non-deterministic: one thread block per K/V block, dQ accumulated with fp32 atomics (num_splits=1).
+    // Deterministic: num_splits thread blocks per (head, batch), block s handles K/V blocks s, s+S, ...
+    // in order and owns split s of dq_accum exclusively, so every element is summed in a fixed order;
+    // the convert kernel then sums the splits in index order.
+    int num_splits;
+    bool deterministic;
+};
+
+}  // namespace flash

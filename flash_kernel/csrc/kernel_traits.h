@@ -1,0 +1,123 @@
+// Compile-time tile shapes of the FlashAttention-2 kernels, per head dim.
+//
+// Shared-memory tiles are row-major (rows x kHeadDim) with every row padded by kSmemPadElems
+// (16 bytes). ldmatrix reads 8 rows x 16 bytes per phase; with a row pitch of 2*kHeadDim + 16 bytes
+// those 8 rows start in 8 different 16-byte bank groups for every kHeadDim here (pitch mod 128 is
+// 16 or 80, both odd multiples of 16), so ldmatrix and the 16-byte cp.async stores are conflict free
+// without a swizzle.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flash {
+
+constexpr int kWarpSize = 32;
+constexpr int kMmaM = 16;        // mma.sync.m16n8k16
+constexpr int kMmaN = 8;
+constexpr int kMmaK = 16;
+constexpr int kCopyElems = 8;    // one 16-byte cp.async moves 8 bf16/fp16
+constexpr int kSmemPadElems = 8; // 16 bytes of padding per shared-memory row (see above)
+constexpr int kMaxSmemBytesSm80 = 163 * 1024;  // opt-in dynamic shared memory per block on A100
+constexpr int kMaxHeadDim = 256;
+
+constexpr int round_head_dim(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
+
+// Forward (Alg. 1): kBlockM query rows per thread block, kMTilesPerWarp m16 row tiles per warp (split-Q:
+// warps never exchange data; two tiles per warp halve the shared-memory reads of K and V per MMA);
+// kBlockN keys per K/V tile, double- or triple-buffered in shared memory (kNStages).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kQInRegs_, int kMinBlocksPerSm_,
+          int kNStages_, typename Element_>
+struct FwdKernelTraits {
+    using Element = Element_;
+    static constexpr int kMTilesPerWarp = kBlockM_ / (kMmaM * kNWarps_);  // m16 row tiles per warp
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * kWarpSize;
+    static constexpr bool kQInRegs = kQInRegs_;  // keep the warp's Q fragments in registers across K/V tiles
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kSmemStride = kHeadDim + kSmemPadElems;  // elements per smem row
+    // K/V stages: 2 = double buffering (a second barrier per tile guards the stage being refilled);
+    // 3 = the tile being refilled was read two iterations ago, so one barrier per tile suffices.
+    static constexpr int kNStages = kNStages_;
+    static constexpr int kSmemQElems = kBlockM * kSmemStride;
+    static constexpr int kSmemKVTileElems = kBlockN * kSmemStride;
+    static constexpr int kSmemBytes =
+        (kSmemQElems + 2 * kNStages * kSmemKVTileElems) * static_cast<int>(sizeof(Element));
+
+    static_assert(kBlockM == kMmaM * kNWarps * kMTilesPerWarp, "forward: each warp owns whole m16 row tiles of Q");
+    static_assert(kHeadDim % (2 * kMmaN) == 0, "head dim must be a multiple of 16: ldmatrix.x4 covers two n8 tiles");
+    static_assert(kBlockN % (2 * kMmaN) == 0, "kBlockN must be a multiple of 16: P is re-used as an A operand of k16");
+    static_assert((kBlockM * kHeadDim / kCopyElems) % kNThreads == 0, "Q tile copy must split evenly over threads");
+    static_assert((kBlockN * kHeadDim / kCopyElems) % kNThreads == 0, "K/V tile copy must split evenly over threads");
+    static_assert(kNStages == 2 || kNStages == 3, "forward K/V pipeline is double or triple buffered");
+    static_assert(kSmemBytes <= kMaxSmemBytesSm80, "forward tiles must fit A100 shared memory");
+};
+
+// Backward (Alg. 2): a thread block owns kBlockN keys (one m16 tile of K/V rows per warp, so dK and
+// dV stay in that warp's registers), and walks the query blocks of kBlockM rows. S^T = K Q^T is
+// computed key-major so that P^T and dS^T are already in the A-operand layout of dV += P^T dO and
+// dK += dS^T Q. dS^T goes through shared memory for dQ = dS K, which kNWarps warps split as
+// kDqWarpsM (query m16 tiles) x kDqWarpsN (column groups of kDqCols).
+// kColSplits > 1 (head dim 256): dK/dV/dQ columns are split over kColSplits thread blocks per K/V
+// block, each recomputing the full-width S^T and dP^T, so that a warp's dK/dV accumulators
+// (2 x kOutCols floats per thread) still fit in registers.
+template <int kHeadDim_, int kBlockM_, int kNWarps_, int kColSplits_, typename Element_>
+struct BwdKernelTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kColSplits = kColSplits_;
+    static constexpr int kOutCols = kHeadDim / kColSplits;  // dK/dV/dQ columns per thread block
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kBlockN = kMmaM * kNWarps;
+    static constexpr int kNThreads = kNWarps * kWarpSize;
+    static constexpr int kSmemStride = kHeadDim + kSmemPadElems;
+    static constexpr int kSmemDsStride = kBlockM + kSmemPadElems;  // dS^T tile is kBlockN x kBlockM
+    static constexpr int kNStages = 2;                              // Q/dO/LSE/delta double buffering
+    static constexpr int kDqWarpsM = kBlockM / kMmaM;
+    static constexpr int kDqWarpsN = kNWarps / kDqWarpsM;
+    static constexpr int kDqCols = kOutCols / kDqWarpsN;
+    static constexpr int kSmemKVElems = kBlockN * kSmemStride;
+    static constexpr int kSmemQTileElems = kBlockM * kSmemStride;
+    static constexpr int kSmemDsElems = kBlockN * kSmemDsStride;
+    static constexpr int kSmemBytes =
+        (2 * kSmemKVElems + 2 * kNStages * kSmemQTileElems + kSmemDsElems) * static_cast<int>(sizeof(Element)) +
+        2 * kNStages * kBlockM * static_cast<int>(sizeof(float));  // LSE and delta rows
+
+    static_assert(kHeadDim % (2 * kMmaN) == 0, "head dim must be a multiple of 16: ldmatrix.x4 covers two n8 tiles");
+    static_assert(kBlockM % (2 * kMmaN) == 0, "kBlockM must be a multiple of 16 (k16 steps of dV += P^T dO)");
+    static_assert(kNWarps % kDqWarpsM == 0, "dQ = dS K: the warps must tile the query rows evenly");
+    static_assert(kHeadDim % kColSplits == 0 && kOutCols % (2 * kMmaN) == 0,
+                  "column splits must leave a multiple of 16 output columns per thread block");
+    static_assert(kOutCols % kDqWarpsN == 0 && kDqCols % (2 * kMmaN) == 0,
+                  "dQ = dS K: each warp's column group must be a multiple of 16 (ldmatrix.x4.trans)");
+    static_assert(kBlockM <= kNThreads, "one thread per query row loads LSE and delta");
+    static_assert(kSmemBytes <= kMaxSmemBytesSm80, "backward tiles must fit A100 shared memory");
+};
+
+// Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
+// sweep). Forward: 128 query rows per block either as 4 warps x 2 m16 tiles (small head dims: each K/V
+// fragment feeds two MMAs) or 8 warps x 1 tile (head dim >= 96, where two tiles' accumulators would
+// spill); Q fragments stay in registers where they fit. Backward: 8 warps = 128 keys per block, and
+// the query block as large as the registers allow (a few bytes of spill at 64/128 measured faster than
+// the spill-free smaller blocks).
+//                                                                       hd   Br   Bc warps Q-regs minBlk stages
+template <int kHeadDim, typename Element> struct FwdConfig;
+template <typename E> struct FwdConfig<32, E>  { using Traits = FwdKernelTraits<32, 128, 64, 4, true, 2, 3, E>; };
+template <typename E> struct FwdConfig<64, E>  { using Traits = FwdKernelTraits<64, 128, 64, 4, true, 1, 3, E>; };
+template <typename E> struct FwdConfig<96, E>  { using Traits = FwdKernelTraits<96, 128, 64, 8, true, 1, 3, E>; };
+template <typename E> struct FwdConfig<128, E> { using Traits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>; };
+template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<256, 64, 16, 4, false, 2, 2, E>; };
+
+//                                                                       hd   Br warps colSplits
+template <int kHeadDim, typename Element> struct BwdConfig;
+template <typename E> struct BwdConfig<32, E>  { using Traits = BwdKernelTraits<32, 64, 8, 1, E>; };
+template <typename E> struct BwdConfig<64, E>  { using Traits = BwdKernelTraits<64, 128, 8, 1, E>; };
+template <typename E> struct BwdConfig<96, E>  { using Traits = BwdKernelTraits<96, 32, 4, 1, E>; };
+template <typename E> struct BwdConfig<128, E> { using Traits = BwdKernelTraits<128, 64, 8, 1, E>; };
+template <typename E> struct BwdConfig<256, E> { using Traits = BwdKernelTraits<256, 32, 4, 2, E>; };
+
+}  // namespace flash

@@ -1,0 +1,138 @@
+// PTX wrappers for the sm80+ data path: cp.async (global -> shared, zero-fill), ldmatrix
+// (shared -> mma fragments) and mma.sync.m16n8k16 with fp32 accumulation.
+//
+// Fragment layouts (PTX ISA, "mma.m16n8k16", .row.col), g = lane / 4, t = lane % 4:
+//   A 16x16: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8 : b0 (k=2t..2t+1, n=g)  b1 (k=2t+8.., n=g)
+//   C 16x8 : c0,c1 (g, 2t..2t+1)   c2,c3 (g+8, 2t..2t+1)
+// so the C fragments of two adjacent n8 tiles are exactly the A fragment of one k16 step: the FA2
+// trick that feeds P (and P^T, dS^T) from registers into the next matmul without shared memory.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flash {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte async copy; when pred is false nothing is read and the 16 destination bytes are zeroed
+// (src-size 0), which is how rows past the sequence end and head-dim columns past d become zeros.
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool pred) {
+    const int src_bytes = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <typename Element> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__half> {
+    __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <typename Element> __device__ __forceinline__ uint32_t pack2(float x, float y);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, float y) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+template <typename Element> __device__ __forceinline__ float2 unpack2(uint32_t v);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+    return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+
+// 2^x on the SFU (ex2.approx): exp2(-inf) = 0, which the masking relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Reduce over the 4 lanes (t = lane % 4) that share one accumulator row.
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Copy a (kRows x kHeadDim) tile from global rows [0, valid_rows) and columns [0, d) into padded
+// shared memory with 16-byte cp.async; everything outside is zero-filled.
+template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+__device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gmem, int64_t row_stride,
+                                                int valid_rows, int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
+        const int c = c0 + static_cast<int>(threadIdx.x);
+        if (kChunks % kNThreads == 0 || c < kChunks) {
+            const int row = c / kChunksPerRow;
+            const int col = (c % kChunksPerRow) * 8;
+            const bool pred = row < valid_rows && col < d;
+            const Element* src = pred ? gmem + row * row_stride + col : gmem;
+            cp_async_16(smem_addr(smem + row * kSmemStride + col), src, pred);
+        }
+    }
+}
+
+// Write a (kRows x kHeadDim) shared-memory tile to global rows [0, valid_rows), columns [0, d),
+// 16 bytes per thread per step so each row segment is a coalesced run.
+template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+__device__ __forceinline__ void store_tile(Element* gmem, const Element* smem, int64_t row_stride, int valid_rows,
+                                           int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
+        const int c = c0 + static_cast<int>(threadIdx.x);
+        if (kChunks % kNThreads == 0 || c < kChunks) {
+            const int row = c / kChunksPerRow;
+            const int col = (c % kChunksPerRow) * 8;
+            if (row < valid_rows && col < d) {
+                *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
+                    *reinterpret_cast<const uint4*>(smem + row * kSmemStride + col);
+            }
+        }
+    }
+}
+
+}  // namespace flash
