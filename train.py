@@ -182,6 +182,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         warmup_steps=cfg.optim.warmup_steps,
         min_lr_ratio=cfg.optim.min_lr_ratio,
         weight_decay=cfg.optim.weight_decay,
+        grad_clip=cfg.optim.grad_clip,
         compile=cfg.compile,
     )
     logger = build_logger(cfg)

@@ -42,6 +42,7 @@ class LitGPT(L.LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         weight_decay: float = 0.1,
+        grad_clip: float | None = 1.0,
         compile: bool = False,
     ) -> None:
         super().__init__()
@@ -112,6 +113,20 @@ class LitGPT(L.LightningModule):
         self.check_finite()
 
     # --- optimisation -----------------------------------------------------------------------------------
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Clipping here, not through Trainer(gradient_clip_val): Lightning's mixed-precision plugin refuses
+        # to clip for fused AdamW even in bf16, where no gradient scaler is involved. Runs once per
+        # optimizer step, after DDP's all-reduce (or FSDP's reduce-scatter) and before the step.
+        if not self.hparams.grad_clip:
+            return
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(self.trainer.strategy, FSDPStrategy):
+            norm = self.trainer.strategy.model.clip_grad_norm_(self.hparams.grad_clip)  # norm over all shards
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.grad_clip)
+        self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
     def configure_optimizers(self):
         decay, no_decay = [], []
         for p in self.model.parameters():

@@ -55,7 +55,7 @@ class PerfMonitor(L.Callback):
         self.start_step = self.logged_step = trainer.global_step  # > 0 on resume
         self.logged_flops = 0
         self.logged_time: float | None = None
-        if torch.cuda.is_available():
+        if trainer.strategy.root_device.type == "cuda":  # a GPU host may still train on the CPU
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
