@@ -32,6 +32,10 @@ class ConfigError(ValueError):
     """A config that cannot run; the message says which key to change."""
 
 
+class TrainingOutOfMemory(RuntimeError):
+    """CUDA ran out of memory; the message says which setting to change."""
+
+
 def _auto_precision() -> str:
     return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
@@ -195,7 +199,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         ok = True
     except torch.OutOfMemoryError as err:
-        raise RuntimeError(_explain_oom(cfg, err)) from err
+        raise TrainingOutOfMemory(_explain_oom(cfg, err)) from err
     finally:
         finish_logger(logger, trainer, ok)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -207,13 +211,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
-        train(cfg)
+        metrics = train(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except NonFiniteLossError as err:
+    except (NonFiniteLossError, TrainingOutOfMemory) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    shown = ("train/loss", "val/loss", "perf/tokens_per_s", "perf/tflops_per_gpu", "perf/mfu", "perf/peak_mem_gib")
+    summary = ", ".join(f"{k}={metrics[k]:.4g}" for k in shown if k in metrics)
+    rank_zero_info(f"done: {summary}; run dir {cfg.output_dir}")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ callback) for `--warmup` + `--steps` optimizer steps and reads the perf/* rates 
 steps; a bare PyTorch loop (same GPT, same batch shape, same fused AdamW, bf16 autocast, clipping,
 no Lightning, no data loader) runs beside it so the table shows what the pipeline costs.
 
-Protocol: a fixed 16k tokens per GPU step (batch = 16384 // seq_len, as the FA2 paper), bf16.
+Protocol: a fixed token budget per GPU step, 16k by default (batch = 16384 // seq_len, as the FA2 paper),
+bf16. GPT3-2.7B does not fit 16k tokens per step on an 80 GB GPU (weights, grads and AdamW state alone are
+43 GB): run it with `--tokens-per-step 8192`.
 FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, not hidden.
 
     python bench/e2e.py                                   # everything (long: run by parts)
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions sdpa flash --compile both
+    python bench/e2e.py --models gpt3-2.7b --tokens-per-step 8192
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
 
 Parts merge into bench/results/e2e.json (keyed by device and case), so short GPU allocations add up.
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
-import math
 import sys
 import time
 from datetime import date
@@ -31,17 +34,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.kernel import device_slug  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
+from train import TrainingOutOfMemory, train  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-TOKENS_PER_STEP = 16384
+TOKENS_PER_STEP = 16384  # the FA2 paper's per-GPU batch
 GIB = 2**30
 # FA2 paper Table 1, 8×A100, TFLOP/s per GPU with FlashAttention-2 (for the README's comparison column)
 FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7b", 2048): 205, ("gpt3-2.7b", 8192): 225}
 
 
-def _compose(model: str, seq_len: int, attention: str, compile: bool, steps: int, log_every: int):
+def _compose(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int):
     from hydra import compose, initialize_config_dir
 
     overrides = [
@@ -49,7 +54,7 @@ def _compose(model: str, seq_len: int, attention: str, compile: bool, steps: int
         f"attention={attention}",
         f"seq_len={seq_len}",
         f"compile={str(compile).lower()}",
-        f"data.batch_size={TOKENS_PER_STEP // seq_len}",
+        f"data.batch_size={batch}",
         "trainer=gpu",
         f"trainer.max_steps={steps}",
         f"trainer.log_every_n_steps={log_every}",
@@ -64,15 +69,13 @@ def _compose(model: str, seq_len: int, attention: str, compile: bool, steps: int
         return compose(config_name="train", overrides=overrides)
 
 
-def run_pipeline(model: str, seq_len: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
     """The real pipeline; returns the perf/* rates over the last `steps` optimizer steps."""
-    import train as train_mod
-
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup (the perf callback logs every --warmup steps)")
-    cfg = _compose(model, seq_len, attention, compile, warmup + steps, log_every=warmup)
+    cfg = _compose(model, seq_len, batch, attention, compile, warmup + steps, log_every=warmup)
     cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
-    metrics = train_mod.train(cfg)
+    metrics = train(cfg)
     return {
         "tokens_per_s": metrics["perf/tokens_per_s"],
         "tflops_per_gpu": metrics["perf/tflops_per_gpu"],
@@ -82,7 +85,7 @@ def run_pipeline(model: str, seq_len: int, attention: str, compile: bool, warmup
     }
 
 
-def run_bare(model: str, seq_len: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
     """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
     from hydra import compose, initialize_config_dir
 
@@ -94,8 +97,7 @@ def run_bare(model: str, seq_len: int, attention: str, compile: bool, warmup: in
     if compile:
         gpt.compile()
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    B = TOKENS_PER_STEP // seq_len
-    x = torch.randint(0, cfg.vocab_size, (B, seq_len + 1), device="cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device="cuda")
     inp, tgt = x[:, :-1], x[:, 1:]
 
     def step():
@@ -116,7 +118,7 @@ def run_bare(model: str, seq_len: int, attention: str, compile: bool, warmup: in
         step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
-    tokens_per_s = B * seq_len / dt
+    tokens_per_s = batch * seq_len / dt
     flops = flops_per_token(cfg, seq_len) * tokens_per_s
     peak = peak_flops(torch.cuda.get_device_name(), torch.bfloat16)
     return {
@@ -134,14 +136,12 @@ def _free_cuda() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def run_case(mode: str, model: str, seq_len: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
     fn = run_pipeline if mode == "pipeline" else run_bare
     try:
-        out = fn(model, seq_len, attention, compile, warmup, steps)
+        out = fn(model, seq_len, batch, attention, compile, warmup, steps)
         out["status"] = "ok"
-    except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not isinstance(err, torch.OutOfMemoryError) and "out of memory" not in str(err).lower():
-            raise
+    except (torch.OutOfMemoryError, TrainingOutOfMemory):
         out = {"status": "OOM"}
     finally:
         _free_cuda()
@@ -151,14 +151,14 @@ def run_case(mode: str, model: str, seq_len: int, attention: str, compile: bool,
 # --- results: JSON merge, table, figure --------------------------------------------------------------
 
 def _key(r: dict) -> tuple:
-    return (r["device"], r["mode"], r["model"], r["seq_len"], r["attention"], r["compile"])
+    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"])
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
     old = json.loads(path.read_text()) if path.is_file() else []
     merged = {_key(r): r for r in old}
     merged.update({_key(r): r for r in new})
-    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], r["attention"], r["compile"], r["mode"]))
+    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], r["attention"], r["compile"], r["mode"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=1))
     return rows
@@ -174,22 +174,22 @@ def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per (device, model, T, attention, compile), pipeline vs bare loop side by side."""
+    """Markdown: one line per (device, model, T, batch, attention, compile), pipeline vs bare loop side by side."""
     by_key = {_key(r): r for r in rows}
-    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], k[3], k[4]))
+    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], k[4], k[5]))
     lines = [
-        "| device | model | T | attention | compile | tokens/s | TFLOP/s/GPU | MFU % | peak GiB | bare tokens/s | pipeline / bare | FA2 paper 8×A100 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| device | model | T | batch | attention | compile | tokens/s | TFLOP/s/GPU | MFU % | peak GiB | bare tokens/s | pipeline / bare | FA2 paper 8×A100 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for dev, model, T, attn, comp in cases:
-        p = by_key.get((dev, "pipeline", model, T, attn, comp))
-        b = by_key.get((dev, "bare", model, T, attn, comp))
+    for dev, model, T, B, attn, comp in cases:
+        p = by_key.get((dev, "pipeline", model, T, B, attn, comp))
+        b = by_key.get((dev, "bare", model, T, B, attn, comp))
         ratio = "–"
         if p and b and p["status"] == b["status"] == "ok":
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn == "flash" else "–"
         lines.append(
-            f"| {dev} | {model} | {T} | {attn} | {'yes' if comp else 'no'} | {_fmt(p, 'tokens_per_s')} | "
+            f"| {dev} | {model} | {T} | {B} | {attn} | {'yes' if comp else 'no'} | {_fmt(p, 'tokens_per_s')} | "
             f"{_fmt(p, 'tflops_per_gpu', 1, 1)} | {_fmt(p, 'mfu', 100, 1)} | {_fmt(p, 'peak_mem_gib', 1, 1)} | "
             f"{_fmt(b, 'tokens_per_s')} | {ratio} | {paper} |"
         )
@@ -203,7 +203,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     pipe = [r for r in rows if r["mode"] == "pipeline"]
-    groups = sorted({(r["model"], r["seq_len"]) for r in pipe})
+    groups = sorted({(r["model"], r["seq_len"], r["batch"]) for r in pipe})
     variants = sorted({(r["attention"], r["compile"]) for r in pipe})
     if not groups:
         return
@@ -211,8 +211,8 @@ def plot(rows: list[dict], path: Path) -> None:
     width = 0.8 / max(1, len(variants))
     for i, (attn, comp) in enumerate(variants):
         xs, ys, labels = [], [], []
-        for g, (model, T) in enumerate(groups):
-            r = next((r for r in pipe if (r["model"], r["seq_len"], r["attention"], r["compile"]) == (model, T, attn, comp)), None)
+        for g, (model, T, B) in enumerate(groups):
+            r = next((r for r in pipe if (r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"]) == (model, T, B, attn, comp)), None)
             if r is None:
                 continue
             xs.append(g + i * width)
@@ -221,10 +221,10 @@ def plot(rows: list[dict], path: Path) -> None:
         bars = ax.bar(xs, ys, width, label=f"{attn}{' +compile' if comp else ''}")
         for bar, lab in zip(bars, labels):
             ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{m}\nT={T}" for m, T in groups])
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{m}\n{B}×{T}" for m, T, B in groups])
     ax.set_ylabel("TFLOP/s per GPU (6N + 12LdT)")
     devices = ", ".join(sorted({r["device"] for r in pipe}))
-    ax.set_title(f"End-to-end GPT training, bf16, 16k tokens/step — {devices}")
+    ax.set_title(f"End-to-end GPT training step (batch × T), bf16 — {devices}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seqlens", nargs="+", type=int, default=[2048, 4096, 8192])
     ap.add_argument("--attentions", nargs="+", default=["naive", "sdpa", "flash"])
     ap.add_argument("--compile", choices=["no", "yes", "both"], default="no")
+    ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="tokens per GPU step: batch = this // T")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
@@ -259,11 +260,12 @@ def main(argv: list[str] | None = None) -> None:
                     for comp in compiles:
                         for mode in args.modes:
                             t0 = time.perf_counter()
-                            r = run_case(mode, model, T, attn, comp, args.warmup, args.steps)
-                            r.update(meta, mode=mode, model=model, seq_len=T, attention=attn, compile=comp)
+                            B = max(1, args.tokens_per_step // T)
+                            r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps)
+                            r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp)
                             new.append(r)
                             print(
-                                f"[e2e] {mode:8s} {model} T={T} {attn:5s} compile={comp!s:5s} -> {r['status']} "
+                                f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} -> {r['status']} "
                                 f"{_fmt(r, 'tokens_per_s')} tok/s {_fmt(r, 'tflops_per_gpu', 1, 1)} TFLOP/s "
                                 f"MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
                                 flush=True,
@@ -271,8 +273,11 @@ def main(argv: list[str] | None = None) -> None:
                             rows = merge(args.out, new)
     md = table(rows)
     args.out.with_suffix(".md").write_text(md + "\n")
-    for dev in sorted({r["device"] for r in rows}):
-        plot([r for r in rows if r["device"] == dev], RESULTS / f"e2e_{dev.replace(' ', '_')}.png")
+    if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU host: plot where it is installed
+        print("no matplotlib here: no figure; redraw it with `python bench/e2e.py --plot-only`")
+    else:
+        for dev in sorted({r["device"] for r in rows}):
+            plot([r for r in rows if r["device"] == dev], RESULTS / f"e2e_{device_slug(dev)}.png")
     print(md)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -206,7 +207,9 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def benchmark(args, device: str) -> list[dict]:
+def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]:
+    """Every requested case; on_progress(results so far) after each sequence length, so that a run stopped
+    by its allocation's time limit keeps what it measured."""
     results = []
     dtype = torch.bfloat16
     for head_dim in args.hdims:
@@ -248,6 +251,7 @@ def benchmark(args, device: str) -> list[dict]:
                         print(f"hd={head_dim:<3} causal={int(causal)} T={seqlen:<5} {method:<15} {mode:<8} {shown}", flush=True)
                     del tensors, fn
                     _free()
+                on_progress(results)
     return results
 
 
@@ -409,8 +413,11 @@ def parse_args(argv=None):
 
 def report(data: dict, devices: list[str], results_path: Path) -> None:
     for device in devices:
-        png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}.png")
-        print(f"\nfigure: {png}")
+        if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU host: plot where it is installed
+            print("\nno matplotlib here: no figure; redraw it with `python bench/kernel.py --plot-only`")
+        else:
+            png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}.png")
+            print(f"\nfigure: {png}")
         env = data.get("environment", {}).get(device, {})
         if env:
             print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
@@ -439,11 +446,15 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     env = environment()
     device = env["device"]
-    new = benchmark(args, device)
     data = load(args.results)
     data.setdefault("environment", {})[device] = env
-    data["results"] = merge(data["results"], new)
-    save(args.results, data)
+    old = data["results"]
+
+    def save_progress(results: list[dict]) -> None:
+        data["results"] = merge(old, results)
+        save(args.results, data)
+
+    new = benchmark(args, device, save_progress)
     print(f"\n{len(new)} results merged into {args.results}")
     report(data, [device], args.results)
     return 0

@@ -11,7 +11,7 @@ spec.loader.exec_module(e2e)
 
 
 def _row(mode, attention, tokens_per_s, status="ok", compile=False):
-    return {"device": "GPU X", "mode": mode, "model": "gpt3-1.3b", "seq_len": 8192, "attention": attention,
+    return {"device": "GPU X", "mode": mode, "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": attention,
             "compile": compile, "status": status, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tokens_per_s * 1e-3,
             "mfu": 0.5, "peak_mem_gib": 10.0, "step_time_s": 1.0}
 

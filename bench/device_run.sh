@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# What one short GPU allocation runs, by stage, so that each stage fits a 10-minute call of a lent machine
+# (offline, its own system python with torch + CUDA). Logs and result files are packed into $OUT.
+#
+#   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
+#   bash bench/device_run.sh kernel [kernel.py args] # make bench-kernel, one part per (head dim, causal)
+#   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given
+#
+# Stages chain: `bash bench/device_run.sh check && bash bench/device_run.sh kernel --methods ours sdpa_flash`.
+# Every step has its own time limit, so one that hangs costs its limit, not the allocation.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline
+PY=${PYTHON:-python3}
+OUT=${OUT:-bench/results/device-logs}
+mkdir -p "$OUT"
+stage=${1:?usage: bench/device_run.sh check|kernel|e2e [args]}
+shift
+
+step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
+    local limit=$1 name=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "[device_run] $name: exit $rc after $((SECONDS - t0)) s (log $name.log)"
+    return $rc
+}
+
+pack() {  # results and run summaries back to the caller, in one file (the device tool returns few files)
+    tar -czf "$OUT/results.tgz" bench/results/*.json bench/results/*.md bench/results/*.png \
+        $(find outputs -name 'wandb-summary.json' -o -name 'metrics.csv' 2>/dev/null) 2>/dev/null
+}
+trap pack EXIT
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+$PY -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__)"
+
+case "$stage" in
+check)
+    step 300 build make PYTHON="$PY" build || exit 1
+    tail -n 3 "$OUT/build.log"
+    step 420 test make PYTHON="$PY" test ARGS="-q -rfEs --durations=10"
+    tail -n 25 "$OUT/test.log"
+    step 240 sanitize make PYTHON="$PY" sanitize
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$OUT/sanitize.log" | tail -n 6
+    # The pipeline per attention on the default model, W&B offline: the run files must carry perf/mfu.
+    for attn in flash sdpa naive; do
+        step 240 "train_$attn" $PY train.py attention=$attn trainer.max_steps=150 trainer.val_check_interval=75 \
+            ~callbacks.progress_bar
+        grep -E "^done:|error" "$OUT/train_$attn.log" | tail -n 2
+    done
+    # Naive attention's OOM frontier must come back as advice, not a bare traceback.
+    step 180 train_naive_oom $PY train.py attention=naive model=gpt3-1.3b seq_len=8192 data.batch_size=2 \
+        trainer.max_steps=2 logger=none
+    tail -n 2 "$OUT/train_naive_oom.log"
+    ;;
+kernel)
+    make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+    for hd in 128 64; do
+        for causal in 1 0; do
+            step 300 "kernel_hd${hd}_c${causal}" $PY bench/kernel.py --hdims $hd --causal $causal "$@"
+            grep -E "^\|" "$OUT/kernel_hd${hd}_c${causal}.log" | tail -n 30
+        done
+    done
+    ;;
+e2e)
+    make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+    step 540 e2e $PY bench/e2e.py "$@"
+    grep -E "^\[e2e\]|^\|" "$OUT/e2e.log"
+    ;;
+*)
+    echo "unknown stage $stage (check | kernel | e2e)" >&2
+    exit 2
+    ;;
+esac
