@@ -160,7 +160,10 @@ def _explain_oom(cfg: DictConfig, err: torch.OutOfMemoryError) -> str:
             "Use attention=flash or attention=sdpa, or lower data.batch_size / seq_len. "
         )
     else:
-        msg += "Lower data.batch_size (raise trainer.accumulate_grad_batches to keep the global batch), or set model.activation_checkpointing=true. "
+        msg += (
+            "Lower data.batch_size and set global_batch_tokens to the tokens per step you want (gradient "
+            "accumulation keeps the global batch), or set model.activation_checkpointing=true. "
+        )
     return msg + f"({str(err).splitlines()[0]})"
 
 

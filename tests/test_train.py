@@ -137,3 +137,17 @@ def test_ddp_two_cpu_processes(data_cache, tmp_path):
     assert "world_size: 2" in proc.stdout + proc.stderr or "MEMBER: 2/2" in proc.stdout + proc.stderr
     assert len(list((tmp_path / "csv").rglob("metrics.csv"))) == 1  # logged from rank 0 only
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("attention, advice", [("naive", "Use attention=flash or attention=sdpa"), ("sdpa", "global_batch_tokens")])
+def test_out_of_memory_is_explained_with_the_setting_to_change(data_cache, tmp_path, monkeypatch, attention, advice):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.")
+
+    monkeypatch.setattr(train_mod.L.Trainer, "fit", oom)
+    cfg = _cfg(data_cache, tmp_path, "logger=none", f"attention={attention}")  # gpt-tiny: 4 heads, 64 × 4 batch
+    with pytest.raises(train_mod.TrainingOutOfMemory, match=advice) as err:
+        train_mod.train(cfg)
+    assert "seq_len=64, data.batch_size=4" in str(err.value) and "Tried to allocate 8.00 GiB" in str(err.value)
+    if attention == "naive":
+        assert f"{4 * 4 * 64 * 64 * 2 / 2**30:.1f} GiB per layer" in str(err.value)  # B × H × T² × 2 bytes
