@@ -32,6 +32,10 @@ pack() {  # results and run summaries back to the caller, in one file (the devic
 }
 trap pack EXIT
 
+build_quietly() {  # the benchmark stages: the build's log only if it fails
+    make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 $PY -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__)"
 
@@ -55,7 +59,7 @@ check)
     tail -n 2 "$OUT/train_naive_oom.log"
     ;;
 kernel)
-    make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+    build_quietly
     for hd in 128 64; do
         for causal in 1 0; do
             step 300 "kernel_hd${hd}_c${causal}" $PY bench/kernel.py --hdims $hd --causal $causal "$@"
@@ -64,7 +68,7 @@ kernel)
     done
     ;;
 e2e)
-    make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+    build_quietly
     step 540 e2e $PY bench/e2e.py "$@"
     grep -E "^\[e2e\]|^\|" "$OUT/e2e.log"
     ;;

@@ -1,7 +1,7 @@
 """The LightningModule: next-token loss, AdamW with warmup + cosine decay, val loss, a NaN guard.
 
-Throughput/MFU logging lives in model/perf.py (a callback); checkpointing and gradient clipping are the
-Trainer's. The module keeps only plain values in its hparams (no nn.Modules), so a checkpoint carries
+Throughput/MFU logging lives in model/perf.py (a callback); checkpointing is the Trainer's; gradient
+clipping is done here (on_before_optimizer_step), since Lightning will not clip for fused AdamW. The module keeps only plain values in its hparams (no nn.Modules), so a checkpoint carries
 everything needed to rebuild it.
 """
 

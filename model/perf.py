@@ -43,7 +43,9 @@ class PerfMonitor(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
-        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        # None on a CPU run (a GPU host may still train on the CPU): no syncs, no memory stats then
+        self.cuda_device = device if device.type == "cuda" else None
+        self.device_name = torch.cuda.get_device_name(device) if self.cuda_device else device.type
         self.peak = peak_flops(self.device_name, compute_dtype(str(trainer.precision)), self.peak_tflops)
         self.world_size = trainer.world_size
 
@@ -55,8 +57,8 @@ class PerfMonitor(L.Callback):
         self.start_step = self.logged_step = trainer.global_step  # > 0 on resume
         self.logged_flops = 0
         self.logged_time: float | None = None
-        if trainer.strategy.root_device.type == "cuda":  # a GPU host may still train on the CPU
-            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        if self.cuda_device:
+            torch.cuda.reset_peak_memory_stats(self.cuda_device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         x = batch[0]  # (B, T)
@@ -66,8 +68,8 @@ class PerfMonitor(L.Callback):
         step = trainer.global_step
         if step == self.logged_step or step % trainer.log_every_n_steps:
             return  # mid gradient-accumulation, or not a log point
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)  # time what the GPU finished, not what was queued
+        if self.cuda_device:
+            torch.cuda.synchronize(self.cuda_device)  # time what the GPU finished, not what was queued
         pl_module.check_finite()
         elapsed = time.perf_counter() - self.t0 - self.paused
         prev_step = self.logged_step
@@ -92,8 +94,8 @@ class PerfMonitor(L.Callback):
         }
         if "device/mfu" in rates:
             metrics["perf/mfu"] = rates["device/mfu"]
-        if trainer.strategy.root_device.type == "cuda":
-            metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / GIB
+        if self.cuda_device:
+            metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.cuda_device) / GIB
         self.last_metrics = metrics
         self._emit(trainer, pl_module, metrics, step)
 
