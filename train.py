@@ -7,9 +7,11 @@ composed by `hydra.compose`. Config lives in conf/; see README.md for the knobs.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,26 @@ def _wandb_offline() -> bool:
         return True
 
 
+def _shared_launch_id() -> str | None:
+    """An id that every rank of one torchrun / SLURM launch sees alike (None when there is none)."""
+    if os.environ.get("SLURM_JOB_ID"):
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f".{step}" if step else "")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":  # torchrun --standalone (a fresh uuid) or --rdzv-id
+        return f"torchrun-{run_id[:8]}"
+    return None
+
+
+def _launch_id() -> str:
+    """The run directory's name stem (conf/train.yaml hydra.run.dir): the time of day for a plain launch;
+    under torchrun or SLURM the launch's own id, since the ranks start at different seconds and must not
+    each make their own run directory (checkpoint shards and logs would scatter)."""
+    return _shared_launch_id() or datetime.now().strftime("%H-%M-%S")
+
+
 def register_resolvers() -> None:
-    for name, fn in (("auto_precision", _auto_precision), ("wandb_offline", _wandb_offline)):
+    for name, fn in (("auto_precision", _auto_precision), ("wandb_offline", _wandb_offline), ("launch_id", _launch_id)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -92,13 +112,70 @@ def validate(cfg: DictConfig) -> None:
                 f"attention=flash runs in bf16/fp16, but trainer.precision={cfg.trainer.precision}; "
                 "use trainer.precision=bf16-mixed"
             )
-    if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist; point it at a .ckpt file of an earlier run")
+    # A file, or a directory: FSDP's sharded checkpoints (state_dict_type=sharded) are one file per rank.
+    if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).exists():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist; point it at a checkpoint of an earlier run")
+    validate_trainer(cfg.trainer)
+
+
+def _requested_gpus(devices: Any) -> int | None:
+    """GPUs per node that `trainer.devices` asks for; None for "auto" / -1 (all there are)."""
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if devices in ("auto", "-1"):
+            return None
+        if "," in devices:  # "0,1": device indices
+            return len([d for d in devices.split(",") if d.strip()])
+        devices = int(devices)
+    if isinstance(devices, int):
+        return None if devices == -1 else devices
+    return len(devices)  # a list of device indices
+
+
+def validate_trainer(trainer: DictConfig) -> None:
+    """GPUs, strategy and process-group backend, checked before any data or model work: Lightning would
+    otherwise fail deep inside the launch (or on every rank at once)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
+        raise ConfigError(
+            f"trainer.strategy={strategy!r} is not a strategy name; use trainer=ddp or trainer=fsdp "
+            f"(conf/trainer/), or one of Lightning's: {', '.join(StrategyRegistry.available_strategies())}"
+        )
+    if str(trainer.get("accelerator")) not in ("gpu", "cuda"):
+        return
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise ConfigError(
+            "trainer.accelerator=gpu but no CUDA GPU is visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            "on a CPU machine use trainer=default or trainer.accelerator=cpu"
+        )
+    wanted = _requested_gpus(trainer.get("devices", "auto"))
+    if wanted is not None and wanted > visible:
+        raise ConfigError(
+            f"trainer.devices={trainer.devices} asks for {wanted} GPUs per node, but this node has {visible}; "
+            f"use trainer.devices={visible} (or auto), and trainer.num_nodes for more nodes"
+        )
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy)
+    backend = strategy.get("process_group_backend") if isinstance(strategy, DictConfig) else None
+    distributed = any(name in target.lower() for name in ("ddp", "fsdp"))
+    if distributed and backend in (None, "nccl") and not torch.distributed.is_nccl_available():
+        raise ConfigError(
+            f"trainer.strategy ({target}) on GPUs needs NCCL, which this torch build ({torch.__version__}) lacks; "
+            "install a CUDA build of torch with NCCL, or set +trainer.strategy.process_group_backend=gloo (slow)"
+        )
 
 
 def _output_dir(cfg: DictConfig) -> str:
     if cfg.get("output_dir"):
         return str(cfg.output_dir)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("TORCHELASTIC_RUN_ID") and _shared_launch_id() is None:
+        raise ConfigError(
+            "torchrun without --standalone or --rdzv-id gives the ranks nothing in common to name one run "
+            "directory by; add --standalone (one node) or --rdzv-id=<job id>, or pass output_dir=<shared path>"
+        )
     if HydraConfig.initialized():
         return HydraConfig.get().runtime.output_dir
     return os.getcwd()
@@ -208,6 +285,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     for cb in trainer.callbacks:
         metrics.update(getattr(cb, "last_metrics", {}))
+    if trainer.is_global_zero:  # for scripts that launch train.py (bench/e2e.py --gpus N): one file per run
+        summary = {**metrics, "world_size": trainer.world_size, "global_step": trainer.global_step}
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(summary, indent=1))
     return metrics
 
 

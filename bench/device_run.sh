@@ -4,7 +4,8 @@
 #
 #   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
 #   bash bench/device_run.sh kernel [kernel.py args] # make bench-kernel, one part per (head dim, causal)
-#   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given
+#   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
+#   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #
 # Stages chain: `bash bench/device_run.sh check && bash bench/device_run.sh kernel --methods ours sdpa_flash`.
 # Every step has its own time limit, so one that hangs costs its limit, not the allocation.
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
-stage=${1:?usage: bench/device_run.sh check|kernel|e2e [args]}
+stage=${1:?usage: bench/device_run.sh check|kernel|e2e|multi [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -28,12 +29,17 @@ step() {  # step <seconds> <log name> <command...>: run, keep the log, say how i
 
 pack() {  # results and run summaries back to the caller, in one file (the device tool returns few files)
     tar -czf "$OUT/results.tgz" bench/results/*.json bench/results/*.md bench/results/*.png \
-        $(find outputs -name 'wandb-summary.json' -o -name 'metrics.csv' 2>/dev/null) 2>/dev/null
+        $(find outputs -name 'wandb-summary.json' -o -name 'metrics.csv' 2>/dev/null) \
+        $(find bench/results/runs -name 'train.log' -o -name 'metrics.json' -o -name 'metrics.csv' 2>/dev/null) 2>/dev/null
 }
 trap pack EXIT
 
 build_quietly() {  # the benchmark stages: the build's log only if it fails
     make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+}
+
+data_quietly() {  # the stages that train through the real pipeline need the default data prepared
+    step 300 data make PYTHON="$PY" data >/dev/null || { tail "$OUT/data.log"; exit 1; }
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
@@ -69,11 +75,23 @@ kernel)
     ;;
 e2e)
     build_quietly
-    step 540 e2e $PY bench/e2e.py "$@"
-    grep -E "^\[e2e\]|^\|" "$OUT/e2e.log"
+    data_quietly
+    log="e2e_$(ls "$OUT"/e2e_*.log 2>/dev/null | wc -l)"  # one log per call when stages are chained
+    step 540 "$log" $PY bench/e2e.py "$@"
+    grep -E "^\[e2e\]|^\|" "$OUT/$log.log"
+    ;;
+multi)
+    build_quietly
+    data_quietly
+    nvidia-smi topo -m | head -n 4
+    # train.py launched as users launch it: DDP with both attentions, FSDP checkpoints resumed (sharded, full)
+    step 420 multi_tests $PY -m pytest -q -rfEs tests/test_train.py -k "gpus or fsdp"
+    tail -n 8 "$OUT/multi_tests.log"
+    step 420 loss_curves $PY bench/loss_curves.py "$@"
+    grep -E "^\[loss\]" "$OUT/loss_curves.log"
     ;;
 *)
-    echo "unknown stage $stage (check | kernel | e2e)" >&2
+    echo "unknown stage $stage (check | kernel | e2e | multi)" >&2
     exit 2
     ;;
 esac

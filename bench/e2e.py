@@ -14,8 +14,12 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions sdpa flash --compile both
     python bench/e2e.py --models gpt3-2.7b --tokens-per-step 8192
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
+    python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
 
-Parts merge into bench/results/e2e.json (keyed by device and case), so short GPU allocations add up.
+With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
+subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
+per GPU step stay --tokens-per-step, so the global batch grows with N). The bare loop is single-GPU only.
+Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so short GPU allocations add up.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import subprocess
 import sys
 import time
 from datetime import date
@@ -46,16 +51,15 @@ GIB = 2**30
 FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7b", 2048): 205, ("gpt3-2.7b", 8192): 225}
 
 
-def _compose(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int):
-    from hydra import compose, initialize_config_dir
-
-    overrides = [
+def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int,
+               trainer: str = "gpu") -> list[str]:
+    return [
         f"model={model}",
         f"attention={attention}",
         f"seq_len={seq_len}",
         f"compile={str(compile).lower()}",
         f"data.batch_size={batch}",
-        "trainer=gpu",
+        f"trainer={trainer}",
         f"trainer.max_steps={steps}",
         f"trainer.log_every_n_steps={log_every}",
         "+trainer.limit_val_batches=0",
@@ -63,21 +67,20 @@ def _compose(model: str, seq_len: int, batch: int, attention: str, compile: bool
         "trainer.enable_model_summary=false",
         "~callbacks.checkpoint",
         "logger=none",
-        f"output_dir={RESULTS / 'runs'}",
     ]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
-def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
-    """The real pipeline; returns the perf/* rates over the last `steps` optimizer steps."""
-    if steps % warmup:
-        raise SystemExit("--steps must be a multiple of --warmup (the perf callback logs every --warmup steps)")
-    cfg = _compose(model, seq_len, batch, attention, compile, warmup + steps, log_every=warmup)
-    cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
-    metrics = train(cfg)
+def _rates(metrics: dict) -> dict:
     return {
         "tokens_per_s": metrics["perf/tokens_per_s"],
+        "tokens_per_s_total": metrics.get("perf/tokens_per_s_total", metrics["perf/tokens_per_s"]),
         "tflops_per_gpu": metrics["perf/tflops_per_gpu"],
         "mfu": metrics.get("perf/mfu"),
         "peak_mem_gib": metrics.get("perf/peak_mem_gib"),
@@ -85,12 +88,48 @@ def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: 
     }
 
 
+def _check_steps(warmup: int, steps: int) -> None:
+    if steps % warmup:
+        raise SystemExit("--steps must be a multiple of --warmup (the perf callback logs every --warmup steps)")
+
+
+def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+    """The real pipeline on one GPU, in this process; returns the perf/* rates over the last `steps` steps."""
+    _check_steps(warmup, steps)
+    cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup),
+                    f"output_dir={RESULTS / 'runs'}"])
+    cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
+    return _rates(train(cfg))
+
+
+def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> dict:
+    """`python train.py <overrides>` in a subprocess, as a user launches it (for several GPUs Lightning
+    starts the other ranks); returns rank 0's metrics.json. The run's output goes to run_dir/train.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.json").unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "train.py"), *overrides, "~callbacks.progress_bar", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    (run_dir / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        if "out of memory" in proc.stderr.lower():
+            raise TrainingOutOfMemory(proc.stderr.strip().splitlines()[-1])
+        raise RuntimeError(f"train.py exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
+                       gpus: int, strategy: str) -> dict:
+    """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml."""
+    _check_steps(warmup, steps)
+    run_dir = RESULTS / "runs" / f"{model}_{batch}x{seq_len}_{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
+    overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy),
+                 f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
+    return _rates(launch_train(overrides, run_dir))
+
+
 def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
     """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        mcfg = compose(config_name="train", overrides=[f"model={model}"]).model
+    mcfg = _compose([f"model={model}"]).model
     cfg = GPTConfig(**mcfg, vocab_size=50257, seq_len=seq_len, attention=attention)
     torch.manual_seed(0)
     gpt = GPT(cfg).cuda()
@@ -136,13 +175,20 @@ def _free_cuda() -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
-    fn = run_pipeline if mode == "pipeline" else run_bare
+def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
+             gpus: int = 1, strategy: str = "single") -> dict:
     try:
-        out = fn(model, seq_len, batch, attention, compile, warmup, steps)
+        if gpus > 1:
+            out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy)
+        else:
+            fn = run_pipeline if mode == "pipeline" else run_bare
+            out = fn(model, seq_len, batch, attention, compile, warmup, steps)
         out["status"] = "ok"
     except (torch.OutOfMemoryError, TrainingOutOfMemory):
         out = {"status": "OOM"}
+    except (RuntimeError, subprocess.TimeoutExpired) as err:  # a failed multi-GPU launch: keep the other cases
+        print(f"[e2e] failed: {err}", flush=True)
+        out = {"status": "error"}
     finally:
         _free_cuda()
     return out
@@ -150,15 +196,19 @@ def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, co
 
 # --- results: JSON merge, table, figure --------------------------------------------------------------
 
+def _gpus(r: dict) -> tuple[int, str]:
+    return r.get("gpus", 1), r.get("strategy", "single")  # rows from before multi-GPU runs: one GPU
+
+
 def _key(r: dict) -> tuple:
-    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"])
+    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], *_gpus(r))
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
     old = json.loads(path.read_text()) if path.is_file() else []
     merged = {_key(r): r for r in old}
     merged.update({_key(r): r for r in new})
-    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], r["attention"], r["compile"], r["mode"]))
+    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], r["attention"], r["compile"], _gpus(r), r["mode"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=1))
     return rows
@@ -174,24 +224,29 @@ def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per (device, model, T, batch, attention, compile), pipeline vs bare loop side by side."""
+    """Markdown: one line per (device, model, T, batch, attention, compile, GPUs); pipeline vs bare loop
+    side by side (one GPU), and per-GPU tokens/s against the one-GPU pipeline (several GPUs)."""
     by_key = {_key(r): r for r in rows}
-    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], k[4], k[5]))
+    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], k[4], k[5], k[6]))
     lines = [
-        "| device | model | T | batch | attention | compile | tokens/s | TFLOP/s/GPU | MFU % | peak GiB | bare tokens/s | pipeline / bare | FA2 paper 8×A100 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| device | model | T | batch/GPU | attention | compile | GPUs | tokens/s/GPU | TFLOP/s/GPU | MFU % | peak GiB "
+        "| bare tokens/s | pipeline / bare | per GPU / 1 GPU | FA2 paper 8×A100 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for dev, model, T, B, attn, comp in cases:
-        p = by_key.get((dev, "pipeline", model, T, B, attn, comp))
-        b = by_key.get((dev, "bare", model, T, B, attn, comp))
-        ratio = "–"
+    for dev, model, T, B, attn, comp, gpus, strategy in cases:
+        p = by_key.get((dev, "pipeline", model, T, B, attn, comp, gpus, strategy))
+        b = by_key.get((dev, "bare", model, T, B, attn, comp, gpus, strategy))
+        one = by_key.get((dev, "pipeline", model, T, B, attn, comp, 1, "single"))
+        ratio = scaling = "–"
         if p and b and p["status"] == b["status"] == "ok":
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
+        if gpus > 1 and p and one and p["status"] == one["status"] == "ok":
+            scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn == "flash" else "–"
         lines.append(
-            f"| {dev} | {model} | {T} | {B} | {attn} | {'yes' if comp else 'no'} | {_fmt(p, 'tokens_per_s')} | "
-            f"{_fmt(p, 'tflops_per_gpu', 1, 1)} | {_fmt(p, 'mfu', 100, 1)} | {_fmt(p, 'peak_mem_gib', 1, 1)} | "
-            f"{_fmt(b, 'tokens_per_s')} | {ratio} | {paper} |"
+            f"| {dev} | {model} | {T} | {B} | {attn} | {'yes' if comp else 'no'} | {gpus if gpus == 1 else f'{gpus} {strategy}'} | "
+            f"{_fmt(p, 'tokens_per_s')} | {_fmt(p, 'tflops_per_gpu', 1, 1)} | {_fmt(p, 'mfu', 100, 1)} | "
+            f"{_fmt(p, 'peak_mem_gib', 1, 1)} | {_fmt(b, 'tokens_per_s')} | {ratio} | {scaling} | {paper} |"
         )
     return "\n".join(lines)
 
@@ -204,21 +259,24 @@ def plot(rows: list[dict], path: Path) -> None:
 
     pipe = [r for r in rows if r["mode"] == "pipeline"]
     groups = sorted({(r["model"], r["seq_len"], r["batch"]) for r in pipe})
-    variants = sorted({(r["attention"], r["compile"]) for r in pipe})
+    variants = sorted({(r["attention"], r["compile"], *_gpus(r)) for r in pipe})
     if not groups:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(variants)) / 2), 4.5))
     width = 0.8 / max(1, len(variants))
-    for i, (attn, comp) in enumerate(variants):
+    for i, variant in enumerate(variants):
+        attn, comp, gpus, strategy = variant
         xs, ys, labels = [], [], []
         for g, (model, T, B) in enumerate(groups):
-            r = next((r for r in pipe if (r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"]) == (model, T, B, attn, comp)), None)
+            r = next((r for r in pipe if (r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], *_gpus(r))
+                      == (model, T, B, *variant)), None)
             if r is None:
                 continue
             xs.append(g + i * width)
             ys.append(r["tflops_per_gpu"] if r["status"] == "ok" else 0.0)
             labels.append("OOM" if r["status"] != "ok" else f"{r['tflops_per_gpu']:.0f}")
-        bars = ax.bar(xs, ys, width, label=f"{attn}{' +compile' if comp else ''}")
+        label = f"{attn}{' +compile' if comp else ''}{f' ({gpus}× {strategy})' if gpus > 1 else ''}"
+        bars = ax.bar(xs, ys, width, label=label)
         for bar, lab in zip(bars, labels):
             ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{m}\n{B}×{T}" for m, T, B in groups])
@@ -239,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", choices=["no", "yes", "both"], default="no")
     ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="tokens per GPU step: batch = this // T")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
+    ap.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts to run (N > 1: train.py with --strategy)")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
@@ -249,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.plot_only:
         if not torch.cuda.is_available():
             raise SystemExit("bench/e2e.py measures GPU training; no CUDA device here (use --plot-only to redraw)")
+        if max(args.gpus) > torch.cuda.device_count():
+            raise SystemExit(f"--gpus {max(args.gpus)} but this machine has {torch.cuda.device_count()} GPU(s)")
         device = torch.cuda.get_device_name()
         meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat()}
         compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
@@ -258,19 +320,22 @@ def main(argv: list[str] | None = None) -> None:
                 # naive last: an OOM leaves the allocator fragmented for whatever runs after it
                 for attn in sorted(args.attentions, key=lambda a: a == "naive"):
                     for comp in compiles:
-                        for mode in args.modes:
-                            t0 = time.perf_counter()
-                            B = max(1, args.tokens_per_step // T)
-                            r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps)
-                            r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp)
-                            new.append(r)
-                            print(
-                                f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} -> {r['status']} "
-                                f"{_fmt(r, 'tokens_per_s')} tok/s {_fmt(r, 'tflops_per_gpu', 1, 1)} TFLOP/s "
-                                f"MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
-                                flush=True,
-                            )
-                            rows = merge(args.out, new)
+                        for gpus in args.gpus:
+                            strategy = args.strategy if gpus > 1 else "single"
+                            for mode in args.modes if gpus == 1 else ["pipeline"]:
+                                t0 = time.perf_counter()
+                                B = max(1, args.tokens_per_step // T)
+                                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
+                                r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
+                                         gpus=gpus, strategy=strategy)
+                                new.append(r)
+                                print(
+                                    f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
+                                    f"-> {r['status']} {_fmt(r, 'tokens_per_s')} tok/s/GPU {_fmt(r, 'tflops_per_gpu', 1, 1)} "
+                                    f"TFLOP/s MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
+                                    flush=True,
+                                )
+                                rows = merge(args.out, new)
     md = table(rows)
     args.out.with_suffix(".md").write_text(md + "\n")
     if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU host: plot where it is installed

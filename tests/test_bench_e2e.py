@@ -43,3 +43,14 @@ def test_refuses_to_measure_without_gpu(tmp_path):
         pytest.skip("has a GPU")
     with pytest.raises(SystemExit, match="no CUDA device"):
         e2e.main(["--out", str(tmp_path / "e2e.json")])
+
+
+def test_multi_gpu_rows_show_per_gpu_scaling_against_one_gpu(tmp_path):
+    old = _row("pipeline", "flash", 200.0)  # a row written before multi-GPU runs: read as one GPU
+    two = {**_row("pipeline", "flash", 194.0), "gpus": 2, "strategy": "ddp", "tokens_per_s_total": 388.0}
+    rows = e2e.merge(tmp_path / "e2e.json", [old, two])
+    assert len(rows) == 2  # different GPU counts are different cases
+    lines = {line.split("|")[7].strip(): line for line in e2e.table(rows).splitlines()[2:]}
+    assert set(lines) == {"1", "2 ddp"}
+    assert "| 0.970 |" in lines["2 ddp"]  # 194 / 200 tokens/s per GPU
+    e2e.plot(rows, tmp_path / "e2e.png")

@@ -89,3 +89,34 @@ def test_cpu_trainer_instantiates():
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(MissingConfigException, match="Available options"):
         _compose("attention=flashy")
+
+
+def _fake_gpus(monkeypatch, count: int, nccl: bool = True) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl)
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus, nccl, match",
+    [
+        (("+trainer.strategy=ddpp",), 8, True, "'ddpp' is not a strategy name.*ddp_spawn"),
+        (("trainer=ddp",), 0, True, "no CUDA GPU is visible"),
+        (("trainer=ddp", "trainer.devices=4"), 2, True, "asks for 4 GPUs per node, but this node has 2"),
+        (("trainer=fsdp", "trainer.devices=[0,1,2]"), 2, True, "asks for 3 GPUs"),
+        (("trainer=fsdp",), 2, False, "needs NCCL"),
+    ],
+)
+def test_bad_multi_gpu_settings_are_refused_by_name(monkeypatch, overrides, gpus, nccl, match):
+    _fake_gpus(monkeypatch, gpus, nccl)
+    with pytest.raises(train.ConfigError, match=match):
+        train.validate_trainer(_compose(*overrides).trainer)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("trainer=ddp",), ("trainer=ddp", "trainer.devices=8", "trainer.num_nodes=4"), ("trainer=fsdp", "trainer.devices=2"),
+     ("trainer=ddp", "+trainer.strategy.process_group_backend=gloo"), ("+trainer.strategy=ddp_spawn",)],
+)
+def test_good_multi_gpu_settings_pass(monkeypatch, overrides):
+    _fake_gpus(monkeypatch, 8, nccl="process_group_backend=gloo" not in overrides[-1])
+    train.validate_trainer(_compose(*overrides).trainer)

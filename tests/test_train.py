@@ -1,5 +1,6 @@
 """train.py end to end on CPU: W&B offline run files carry perf/mfu, CSV logs, resume, NaN stop, errors, DDP."""
 
+import json
 import os
 import subprocess
 import sys
@@ -119,6 +120,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(data_cache, tmp
         (("attention=flash",), "attention=sdpa"),
         (("data.seq_len=32",), "set the top-level seq_len"),
         (("ckpt_path=/nonexistent.ckpt",), "does not exist"),
+        (("+trainer.strategy=nope",), "not a strategy name"),
     ],
 )
 def test_bad_config_fails_before_any_work(data_cache, tmp_path, extra, match):
@@ -137,6 +139,35 @@ def test_ddp_two_cpu_processes(data_cache, tmp_path):
     assert "world_size: 2" in proc.stdout + proc.stderr or "MEMBER: 2/2" in proc.stdout + proc.stderr
     assert len(list((tmp_path / "csv").rglob("metrics.csv"))) == 1  # logged from rank 0 only
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    summary = json.loads((tmp_path / "metrics.json").read_text())  # what bench/e2e.py --gpus N reads
+    assert summary["world_size"] == 2 and summary["global_step"] == 4
+    assert summary["perf/tokens_per_s_total"] == pytest.approx(2 * summary["perf/tokens_per_s"])
+
+
+def _torchrun(data_cache, cwd, *launcher_args):
+    """`torchrun <launcher_args> train.py trainer=ddp ...` on 2 CPU processes, run directory left to Hydra."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    overrides = [o for o in _overrides(data_cache, cwd) if not o.startswith("output_dir=")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *launcher_args, str(REPO / "train.py"),
+           *overrides, "logger=csv", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.precision=32-true", "trainer.max_steps=4"]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_torchrun_ranks_share_one_run_directory(data_cache, tmp_path):
+    proc = _torchrun(data_cache, tmp_path, "--standalone")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")  # not one per rank, though the ranks start apart
+    assert run_dir.name.startswith("torchrun-")
+    assert json.loads((run_dir / "metrics.json").read_text())["world_size"] == 2
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_torchrun_without_a_shared_id_is_refused_with_the_fix(data_cache, tmp_path):
+    proc = _torchrun(data_cache, tmp_path, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29533", "--nnodes=1")
+    assert proc.returncode != 0  # torchrun exits 1 when a rank fails; the ranks print the reason
+    assert "error: torchrun without --standalone or --rdzv-id" in proc.stderr and "output_dir=" in proc.stderr
+    assert not list(tmp_path.rglob("checkpoints"))  # refused before any work
 
 
 @pytest.mark.parametrize("attention, advice", [("naive", "Use attention=flash or attention=sdpa"), ("sdpa", "global_batch_tokens")])
@@ -151,3 +182,65 @@ def test_out_of_memory_is_explained_with_the_setting_to_change(data_cache, tmp_p
     assert "seq_len=64, data.batch_size=4" in str(err.value) and "Tried to allocate 8.00 GiB" in str(err.value)
     if attention == "naive":
         assert f"{4 * 4 * 64 * 64 * 2 / 2**30:.1f} GiB per layer" in str(err.value)  # B × H × T² × 2 bytes
+
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="multi-GPU launch: needs 2 CUDA GPUs"
+)
+
+
+def _launch(data_cache, out, *extra):
+    """`python train.py ...` as a user runs it (Lightning starts the other ranks); returns rank 0's metrics.json."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "train.py", *_overrides(data_cache, out, "logger=csv", "trainer.precision=bf16-mixed", *extra)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("attention", ["flash", "sdpa"])
+def test_ddp_two_gpus(data_cache, tmp_path, attention):
+    metrics = _launch(data_cache, tmp_path, "trainer=ddp", "trainer.devices=2", f"attention={attention}")
+    assert metrics["world_size"] == 2 and metrics["global_step"] == 6
+    assert torch.isfinite(torch.tensor(metrics["val/loss"]))
+    assert len(list((tmp_path / "csv").rglob("metrics.csv"))) == 1
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_fsdp_checkpoint_resume_continues_the_run(data_cache, tmp_path, state_dict_type):
+    """FSDP on 2 GPUs: resuming from the step-4 checkpoint (a directory of shards, or one gathered file) ends
+    at the same step with the same loss as the uninterrupted run (up to atomics in the attention backward)."""
+    common = ("trainer=fsdp", "trainer.devices=2", "attention=flash", f"trainer.strategy.state_dict_type={state_dict_type}",
+              "trainer.max_steps=8", "ckpt_every=4", "trainer.val_check_interval=100")
+    full = _launch(data_cache, tmp_path / "full", *common)
+    mid = tmp_path / "full" / "checkpoints" / "step0000004.ckpt"
+    assert mid.is_dir() if state_dict_type == "sharded" else mid.is_file()
+    resumed = _launch(data_cache, tmp_path / "resumed", *common, f"ckpt_path={mid}")
+    assert full["global_step"] == resumed["global_step"] == 8
+    assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=2e-2)
+
+
+def test_two_ranks_train_like_one_accumulating_rank(data_cache, tmp_path):
+    """Same global batch, same seed: 2 DDP ranks (gloo, CPU) and 1 rank accumulating 2 micro-batches see the
+    same windows per optimizer step, so their validation losses agree to float reduction order."""
+    from bench.loss_curves import compare, read_curves
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    curves = {}
+    for name, extra in (("one", ("trainer=cpu", "trainer.val_check_interval=8")),
+                        ("two", ("trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                                 "trainer.precision=32-true", "trainer.val_check_interval=4"))):
+        out = tmp_path / name
+        cmd = [sys.executable, "train.py", *_overrides(data_cache, out, "logger=csv", "global_batch_tokens=512",
+               "trainer.max_steps=8", "~callbacks.checkpoint", "+trainer.enable_checkpointing=false", *extra)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (metrics_csv,) = (out / "csv").rglob("metrics.csv")
+        curves[name] = read_curves(metrics_csv)
+    result = compare(curves["one"], curves["two"])
+    assert len(result["val_steps"]) == 2  # validation at the same optimizer steps (4 and 8) in both runs
+    assert result["max_rel_val_diff"] < 1e-4

@@ -1,0 +1,150 @@
+"""Do N GPUs train the same model as one? Loss curves of 1 vs N GPUs for the same global batch.
+
+Both runs go through train.py as users launch it, with the same seed and global batch
+(global_batch_tokens = N × data.batch_size × seq_len):
+  - 1 GPU accumulates N micro-batches per optimizer step;
+  - N GPUs (DDP or FSDP) take one micro-batch each.
+The data module hands rank r of world size W the windows (step·W + r)·B ... so both runs see the same
+windows in every optimizer step, and their curves should agree up to float reduction order (and the
+atomics of the attention backward). Validation runs every --val-every optimizer steps over the same
+fixed windows (sharded over the ranks, averaged with sync_dist), which is the comparison; the train loss
+is plotted as logged (rank 0's last micro-batch), smoothed.
+
+    python bench/loss_curves.py --gpus 2                      # GPT3-125M, 1k context, 200 steps
+    python bench/loss_curves.py --gpus 2 --strategy fsdp --attention sdpa
+    python bench/loss_curves.py --plot-only
+
+Writes bench/results/loss_curves.json (one entry per device and setting) and loss_curves_<device>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.e2e import RESULTS, launch_train  # noqa: E402
+from bench.kernel import device_slug  # noqa: E402
+
+
+def read_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) pairs of train/loss and val/loss from a CSVLogger file."""
+    curves: dict[str, list[tuple[int, float]]] = {"train/loss": [], "val/loss": []}
+    for row in csv.DictReader(metrics_csv.open()):
+        for key, points in curves.items():
+            if row.get(key):
+                points.append((int(row["step"]), float(row[key])))
+    return curves
+
+
+def compare(one: dict, multi: dict) -> dict:
+    """Largest |Δ| of the validation losses taken at the same steps (both runs must have them)."""
+    a, b = dict(one["val/loss"]), dict(multi["val/loss"])
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise SystemExit(f"no validation step in common: {sorted(a)} vs {sorted(b)}")
+    diffs = [abs(a[s] - b[s]) for s in common]
+    return {"val_steps": common, "max_abs_val_diff": max(diffs), "max_rel_val_diff": max(d / a[s] for d, s in zip(diffs, common))}
+
+
+def run(args: argparse.Namespace) -> dict:
+    tokens = args.gpus * args.batch * args.seq_len
+    common = [
+        f"model={args.model}", f"attention={args.attention}", f"seq_len={args.seq_len}", f"data.batch_size={args.batch}",
+        f"global_batch_tokens={tokens}", f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=5",
+        "logger=csv", "~callbacks.checkpoint", "+trainer.enable_checkpointing=false", f"seed={args.seed}",
+    ]
+    tag = f"{args.model}_{args.seq_len}_{args.attention}_{args.gpus}x{args.strategy}"
+    curves = {}
+    for name, gpus, trainer in (("one", 1, "gpu"), ("multi", args.gpus, args.strategy)):
+        accumulation = args.gpus // gpus
+        # val_check_interval counts micro-batches: validate at the same optimizer steps in both runs
+        overrides = [*common, f"trainer={trainer}", f"trainer.devices={gpus}",
+                     f"trainer.val_check_interval={args.val_every * accumulation}"]
+        run_dir = RESULTS / "runs" / f"loss_{tag}_{name}"
+        metrics = launch_train(overrides, run_dir, timeout=args.timeout)
+        (metrics_csv,) = (run_dir / "csv").rglob("metrics.csv")
+        curves[name] = {**read_curves(metrics_csv), "tokens_per_s": metrics.get("perf/tokens_per_s"), "gpus": gpus}
+        print(f"[loss] {name}: {gpus} GPU(s), final val/loss {curves[name]['val/loss'][-1][1]:.4f}", flush=True)
+    return {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
+        "model": args.model, "seq_len": args.seq_len, "attention": args.attention, "gpus": args.gpus,
+        "strategy": args.strategy, "global_batch_tokens": tokens, "steps": args.steps, "seed": args.seed,
+        **compare(curves["one"], curves["multi"]), "curves": curves,
+    }
+
+
+def _key(r: dict) -> tuple:
+    return (r["device"], r["model"], r["seq_len"], r["attention"], r["gpus"], r["strategy"])
+
+
+def plot(entries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 4.2), squeeze=False)
+    for ax, e in zip(axes[0], entries):
+        for name, style in (("one", "-"), ("multi", "--")):
+            c = e["curves"][name]
+            label = "1 GPU (accumulating)" if name == "one" else f"{e['gpus']} GPUs ({e['strategy']})"
+            steps, losses = zip(*c["train/loss"])
+            smooth = [sum(losses[max(0, i - 4):i + 1]) / len(losses[max(0, i - 4):i + 1]) for i in range(len(losses))]
+            ax.plot(steps, smooth, style, alpha=0.6, label=f"train, {label}")
+            vsteps, vloss = zip(*c["val/loss"])
+            ax.plot(vsteps, vloss, style, marker="o", label=f"val, {label}")
+        ax.set_title(f"{e['model']} T={e['seq_len']} {e['attention']}: max |Δ val| = {e['max_abs_val_diff']:.4f}", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Same global batch ({entries[0]['global_batch_tokens']} tokens), same seed — {entries[0]['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
+    ap.add_argument("--model", default="gpt3-125m")
+    ap.add_argument("--attention", default="flash")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="micro-batch per GPU")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--val-every", type=int, default=25, help="optimizer steps between validations")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per train.py run")
+    ap.add_argument("--out", type=Path, default=RESULTS / "loss_curves.json")
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args(argv)
+
+    entries = json.loads(args.out.read_text()) if args.out.is_file() else []
+    if not args.plot_only:
+        if torch.cuda.device_count() < args.gpus:
+            raise SystemExit(f"--gpus {args.gpus} but this machine has {torch.cuda.device_count()} GPU(s)")
+        new = run(args)
+        entries = [e for e in entries if _key(e) != _key(new)] + [new]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(entries, indent=1))
+        print(f"[loss] max |Δ val/loss| over steps {new['val_steps']}: {new['max_abs_val_diff']:.5f} "
+              f"(relative {new['max_rel_val_diff']:.2e})")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no matplotlib here: no figure; redraw it with `python bench/loss_curves.py --plot-only`")
+        return
+    for dev in sorted({e["device"] for e in entries}):
+        plot([e for e in entries if e["device"] == dev], RESULTS / f"loss_curves_{device_slug(dev)}.png")
+
+
+if __name__ == "__main__":
+    main()
