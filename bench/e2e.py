@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.kernel import device_slug  # noqa: E402
+from flash_kernel import KERNEL_VERSION  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
 from train import TrainingOutOfMemory, train  # noqa: E402
@@ -200,15 +201,20 @@ def _gpus(r: dict) -> tuple[int, str]:
     return r.get("gpus", 1), r.get("strategy", "single")  # rows from before multi-GPU runs: one GPU
 
 
+def _attention(r: dict) -> str:
+    """attention=flash rows carry the kernel version they ran (flash_kernel.KERNEL_VERSION): 'flash v5'."""
+    return f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
+
+
 def _key(r: dict) -> tuple:
-    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], *_gpus(r))
+    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], _attention(r), r["compile"], *_gpus(r))
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
     old = json.loads(path.read_text()) if path.is_file() else []
     merged = {_key(r): r for r in old}
     merged.update({_key(r): r for r in new})
-    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], r["attention"], r["compile"], _gpus(r), r["mode"]))
+    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], _attention(r), r["compile"], _gpus(r), r["mode"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=1))
     return rows
@@ -242,7 +248,7 @@ def table(rows: list[dict]) -> str:
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
         if gpus > 1 and p and one and p["status"] == one["status"] == "ok":
             scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
-        paper = FA2_PAPER_A100.get((model, T), "–") if attn == "flash" else "–"
+        paper = FA2_PAPER_A100.get((model, T), "–") if attn.startswith("flash") else "–"
         lines.append(
             f"| {dev} | {model} | {T} | {B} | {attn} | {'yes' if comp else 'no'} | {gpus if gpus == 1 else f'{gpus} {strategy}'} | "
             f"{_fmt(p, 'tokens_per_s')} | {_fmt(p, 'tflops_per_gpu', 1, 1)} | {_fmt(p, 'mfu', 100, 1)} | "
@@ -259,7 +265,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     pipe = [r for r in rows if r["mode"] == "pipeline"]
     groups = sorted({(r["model"], r["seq_len"], r["batch"]) for r in pipe})
-    variants = sorted({(r["attention"], r["compile"], *_gpus(r)) for r in pipe})
+    variants = sorted({(_attention(r), r["compile"], *_gpus(r)) for r in pipe})
     if not groups:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(variants)) / 2), 4.5))
@@ -268,7 +274,7 @@ def plot(rows: list[dict], path: Path) -> None:
         attn, comp, gpus, strategy = variant
         xs, ys, labels = [], [], []
         for g, (model, T, B) in enumerate(groups):
-            r = next((r for r in pipe if (r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], *_gpus(r))
+            r = next((r for r in pipe if (r["model"], r["seq_len"], r["batch"], _attention(r), r["compile"], *_gpus(r))
                       == (model, T, B, *variant)), None)
             if r is None:
                 continue
@@ -327,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
                                 B = max(1, args.tokens_per_step // T)
                                 r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
                                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                                         gpus=gpus, strategy=strategy)
+                                         gpus=gpus, strategy=strategy, **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
                                 new.append(r)
                                 print(
                                     f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "

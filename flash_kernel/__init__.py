@@ -7,7 +7,10 @@
   and `naive_attention`, the materialised-softmax oracle the tests compare against.
 
 Importing this package never needs CUDA or the built extension; `_C` is loaded on first use.
+`KERNEL_VERSION` names the kernels' version in docs/kernel_notes.md; benchmark rows record it.
 """
+
+KERNEL_VERSION = "v5"  # docs/kernel_notes.md: bump with every change that moves the kernels' numbers
 
 from flash_kernel.interface import (
     check_bwd_inputs,
@@ -19,6 +22,7 @@ from flash_kernel.interface import (
 from flash_kernel.reference import naive_attention, reference_attn_func, reference_bwd, reference_fwd
 
 __all__ = [
+    "KERNEL_VERSION",
     "check_bwd_inputs",
     "check_inputs",
     "flash_attn_func",

@@ -8,6 +8,9 @@ package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. The ke
 Environment:
   FLASH_KERNEL_ARCHS   semicolon-separated SM versions, default "80;90" (one -gencode each)
   MAX_JOBS             parallel compile jobs, default: all cores
+  FLASH_KERNEL_NVCC_EXTRA  extra nvcc flags, shell-split and appended (default none), e.g.
+                       "-DFLASH_BWD_HD128_VARIANT=3" for the kernel variants of kernel_traits.h
+                       (bench/kernel_sweep.sh); only the .cu files recompile when it changes
 Without CUDA (CPU-only torch, no CUDA device, or no CUDA_HOME) it prints why and exits 0, or 1 with --require.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shlex
 import shutil
 import sys
 import sysconfig
@@ -69,8 +73,11 @@ def build(verbose: bool = False) -> str:
         "-lineinfo",  # source lines in compute-sanitizer / ncu reports; no effect on code
         "--ptxas-options=-warn-spills",
         *_arch_flags(archs),
+        *shlex.split(os.environ.get("FLASH_KERNEL_NVCC_EXTRA", "")),
     ]
-    print(f"flash_kernel: building {len(sources)} sources for sm {archs} with MAX_JOBS={os.environ['MAX_JOBS']}", flush=True)
+    extra = os.environ.get("FLASH_KERNEL_NVCC_EXTRA", "")
+    print(f"flash_kernel: building {len(sources)} sources for sm {archs} with MAX_JOBS={os.environ['MAX_JOBS']}"
+          + (f", extra nvcc flags {extra!r}" if extra else ""), flush=True)
     t0 = time.perf_counter()
     cpp_extension.load(
         name=EXT_NAME,

@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
     constexpr int kMTiles = Traits::kMTilesPerWarp;
     constexpr int kWarpRows = kMTiles * kMmaM;   // query rows per warp (split-Q)
+    constexpr bool kStepped = Traits::kSteppedCopy;  // copy_tile_async_stepped (v5 variants) or copy_tile_async
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Element* sQ = reinterpret_cast<Element*>(smem_raw);
@@ -90,9 +91,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
 
     // Alg. 1 line 4: Q_i -> shared memory; line 7 for j = 0: K_0, V_0 -> stage 0. One commit group.
-    copy_tile_async<kBlockM, kHeadDim, kStride, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d);
-    copy_tile_async<kBlockN, kHeadDim, kStride, kNThreads>(sK, k, params.k_row_stride, seqlen_k, params.d);
-    copy_tile_async<kBlockN, kHeadDim, kStride, kNThreads>(sV, v, params.v_row_stride, seqlen_k, params.d);
+    copy_tile<kStepped, kBlockM, kHeadDim, kStride, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d);
+    copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sK, k, params.k_row_stride, seqlen_k, params.d);
+    copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sV, v, params.v_row_stride, seqlen_k, params.d);
     cp_async_commit();
 
     // Alg. 1 line 5. Warp w owns kMTiles m16 row tiles: rows warp * kWarpRows + mt * 16 + {g, g + 8}
@@ -129,10 +130,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             // it is j-2, and every warp has since passed the barrier at the top of iteration j-1.
             const int next = (n_block + 1) % Traits::kNStages;
             const int key0 = (n_block + 1) * kBlockN;
-            copy_tile_async<kBlockN, kHeadDim, kStride, kNThreads>(
+            copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(
                 sK + next * Traits::kSmemKVTileElems, k + key0 * params.k_row_stride, params.k_row_stride,
                 seqlen_k - key0, params.d);
-            copy_tile_async<kBlockN, kHeadDim, kStride, kNThreads>(
+            copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(
                 sV + next * Traits::kSmemKVTileElems, v + key0 * params.v_row_stride, params.v_row_stride,
                 seqlen_k - key0, params.d);
         }

@@ -1,6 +1,8 @@
 // Launch of the forward kernel for one (dtype, head dim); included by the flash_fwd_hdim*.cu files.
 #pragma once
 
+#include <type_traits>
+
 #include "flash_fwd_kernel.cuh"
 #include "flash_launch.h"
 #include "static_switch.h"
@@ -9,20 +11,43 @@ namespace flash {
 
 constexpr int kDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
 
+constexpr int kReservedSmemPerBlock = 1024;   // shared memory the driver keeps per thread block (sm80+)
+
+template <typename Traits, bool kIsCausal>
+cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
+    auto kernel = &flash_fwd_kernel<Traits, kIsCausal>;
+    constexpr int kSmem = Traits::kSmemBytes;
+    if (kSmem > kDefaultSmemBytes) {
+        FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    }
+    // Alg. 1 line 3: one thread block per (query block, head, batch).
+    const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.h, params.b);
+    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+    FLASH_LAUNCH_CHECK();
+    return cudaSuccess;
+}
+
+// A config may name OneBlockTraits: what to run where the SM's shared memory cannot hold the
+// kMinBlocksPerSm thread blocks its Traits are tuned for (its 4 warps would then be alone on the SM).
+template <typename Config, typename = void>
+struct OneBlockTraitsOf { using type = typename Config::Traits; };
+template <typename Config>
+struct OneBlockTraitsOf<Config, std::void_t<typename Config::OneBlockTraits>> { using type = typename Config::OneBlockTraits; };
+
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
-    using Traits = typename FwdConfig<kHeadDim, Element>::Traits;
+    using Config = FwdConfig<kHeadDim, Element>;
+    using Traits = typename Config::Traits;
+    using OneBlock = typename OneBlockTraitsOf<Config>::type;
+    bool resident = true;  // do Traits::kMinBlocksPerSm blocks fit one SM of this GPU?
+    if constexpr (!std::is_same_v<Traits, OneBlock>) {
+        int device = 0, smem_per_sm = 0;
+        FLASH_RETURN_IF_ERROR(cudaGetDevice(&device));
+        FLASH_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+        resident = smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
+    }
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        auto kernel = &flash_fwd_kernel<Traits, kIsCausal>;
-        constexpr int kSmem = Traits::kSmemBytes;
-        if (kSmem > kDefaultSmemBytes) {
-            FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-        }
-        // Alg. 1 line 3: one thread block per (query block, head, batch).
-        const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.h, params.b);
-        kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
-        FLASH_LAUNCH_CHECK();
-        return cudaSuccess;
+        return resident ? launch_fwd<Traits, kIsCausal>(params, stream) : launch_fwd<OneBlock, kIsCausal>(params, stream);
     });
 }
 

@@ -46,6 +46,7 @@ struct FwdKernelTraits {
     static constexpr int kSmemKVTileElems = kBlockN * kSmemStride;
     static constexpr int kSmemBytes =
         (kSmemQElems + 2 * kNStages * kSmemKVTileElems) * static_cast<int>(sizeof(Element));
+    static constexpr bool kSteppedCopy = false;  // copy_tile_async (FwdSteppedTraits: copy_tile_async_stepped)
 
     static_assert(kBlockM == kMmaM * kNWarps * kMTilesPerWarp, "forward: each warp owns whole m16 row tiles of Q");
     static_assert(kHeadDim % (2 * kMmaN) == 0, "head dim must be a multiple of 16: ldmatrix.x4 covers two n8 tiles");
@@ -86,6 +87,7 @@ struct BwdKernelTraits {
     static constexpr int kSmemBytes =
         (2 * kSmemKVElems + 2 * kNStages * kSmemQTileElems + kSmemDsElems) * static_cast<int>(sizeof(Element)) +
         2 * kNStages * kBlockM * static_cast<int>(sizeof(float));  // LSE and delta rows
+    static constexpr bool kTiled = false;  // flash_bwd_kernel (BwdVariantTraits: flash_bwd_tiled_kernel)
 
     static_assert(kHeadDim % (2 * kMmaN) == 0, "head dim must be a multiple of 16: ldmatrix.x4 covers two n8 tiles");
     static_assert(kBlockM % (2 * kMmaN) == 0, "kBlockM must be a multiple of 16 (k16 steps of dV += P^T dO)");
@@ -95,6 +97,70 @@ struct BwdKernelTraits {
     static_assert(kOutCols % kDqWarpsN == 0 && kDqCols % (2 * kMmaN) == 0,
                   "dQ = dS K: each warp's column group must be a multiple of 16 (ldmatrix.x4.trans)");
     static_assert(kBlockM <= kNThreads, "one thread per query row loads LSE and delta");
+    static_assert(kSmemBytes <= kMaxSmemBytesSm80, "backward tiles must fit A100 shared memory");
+};
+
+// Head dim 128 configurations (issue 5), chosen at compile time; the defaults are v5, the sweep's winner
+// (docs/kernel_notes.md, "v5"): forward 1 + backward 3. bench/kernel_sweep.sh builds the others with
+// FLASH_KERNEL_NVCC_EXTRA="-DFLASH_FWD_HD128_VARIANT=N -DFLASH_BWD_HD128_VARIANT=M".
+//   FLASH_FWD_HD128_VARIANT 0: v4, 8 warps x 1 m16 tile, Bc 64, 3 K/V stages (139 KB: 1 CTA per SM)
+//                           1: 4 warps x 2 m16 tiles, Bc 64, 2 K/V stages (102 KB: 2 CTAs per H100 SM;
+//                              where 2 do not fit, e.g. A100's 164 KB, the launch falls back to 0)
+//                           2: 8 warps x 2 m16 tiles (Br 256), Bc 64, 2 K/V stages (136 KB: 1 CTA per SM)
+//   FLASH_BWD_HD128_VARIANT 0: v4, flash_bwd_kernel (16 keys per warp, dK/dV in registers)
+//                           1: committed tiling, stepped tile copies (fewer spilled address registers)
+//                           2: + dQ warps 2 x 4 (32 queries x 32 cols) and dK += dS^T Q after the barrier,
+//                              dS^T from shared memory, warps 4 x 2 (32 keys x 64 cols)
+//                           3: FA2's sm80 tiling: S^T/dP^T warps 4 x 2 (32 keys x 32 queries), P^T and dS^T
+//                              through shared memory, dV and dK warps 4 x 2, dQ warps 2 x 4, one dO stage
+//                           4: 1 + dQ warps 2 x 4 only (attributes 2's gain between its two changes)
+// docs/kernel_notes.md ("v5 candidates", "v5") has the reasoning, ptxas numbers and timings of each.
+#ifndef FLASH_FWD_HD128_VARIANT
+#define FLASH_FWD_HD128_VARIANT 1
+#endif
+#ifndef FLASH_BWD_HD128_VARIANT
+#define FLASH_BWD_HD128_VARIANT 3
+#endif
+
+// Forward variant: the same tiles with copy_tile_async_stepped.
+template <typename Base>
+struct FwdSteppedTraits : Base {
+    static constexpr bool kSteppedCopy = true;
+};
+
+// Backward variant: Base's block shape run by flash_bwd_tiled_kernel (flash_bwd_tiled_kernel.cuh), whose
+// warp tiling of the matmul phases is set here. Everything derived from a knob is re-derived here.
+template <typename Base, int kSdpWarpsQ_, int kDqWarpsM_, bool kDkFromSmem_, int kDkvWarpsD_, int kDoStages_>
+struct BwdVariantTraits : Base {
+    using Element = typename Base::Element;
+    static constexpr bool kTiled = true;
+    static constexpr int kSdpWarpsQ = kSdpWarpsQ_;    // S^T, dP^T: warps along queries (1: a warp owns all queries)
+    static constexpr bool kDkFromSmem = kDkFromSmem_;  // dK += dS^T Q after the barrier, dS^T from shared memory
+    static constexpr int kDkvWarpsD = kDkvWarpsD_;    // dK/dV from shared memory: warps along head-dim columns
+    static constexpr int kDoStages = kDoStages_;      // dO tiles in shared memory
+    static constexpr int kDqWarpsM = kDqWarpsM_;
+    static constexpr int kDqWarpsN = Base::kNWarps / kDqWarpsM;
+    static constexpr int kDqCols = Base::kOutCols / kDqWarpsN;
+    static constexpr int kSmemPElems = kSdpWarpsQ > 1 ? Base::kSmemDsElems : 0;  // P^T tile
+    static constexpr bool kSteppedCopy = true;
+    static constexpr int kSmemBytes =
+        (2 * Base::kSmemKVElems + (Base::kNStages + kDoStages) * Base::kSmemQTileElems + Base::kSmemDsElems +
+         kSmemPElems) * static_cast<int>(sizeof(Element)) +
+        2 * Base::kNStages * Base::kBlockM * static_cast<int>(sizeof(float));
+
+    static constexpr int kSdpWarpsK = Base::kNWarps / kSdpWarpsQ;
+    static constexpr int kDkvWarpsK = Base::kNWarps / kDkvWarpsD;
+    static_assert(Base::kNWarps % kSdpWarpsQ == 0 && Base::kBlockN % (kMmaM * kSdpWarpsK) == 0 &&
+                      Base::kBlockM % (2 * kMmaN * kSdpWarpsQ) == 0,
+                  "S^T/dP^T: warps must tile keys in m16 tiles and queries in pairs of n8 tiles");
+    static_assert(kSdpWarpsQ == 1 || kDkFromSmem, "with queries split over warps, dK needs dS^T from shared memory");
+    static_assert(Base::kNWarps % kDkvWarpsD == 0 && Base::kBlockN % (kMmaM * kDkvWarpsK) == 0 &&
+                      Base::kOutCols % (2 * kMmaN * kDkvWarpsD) == 0,
+                  "dK/dV from shared memory: warps must tile keys in m16 tiles and columns in pairs of n8 tiles");
+    static_assert(Base::kNWarps % kDqWarpsM == 0 && Base::kBlockM % (kMmaM * kDqWarpsM) == 0 &&
+                      kDqCols % (2 * kMmaN) == 0,
+                  "dQ = dS K: warps must tile queries in m16 tiles and columns in pairs of n8 tiles");
+    static_assert(kDoStages == 1 || kDoStages == 2, "dO is single or double buffered");
     static_assert(kSmemBytes <= kMaxSmemBytesSm80, "backward tiles must fit A100 shared memory");
 };
 
@@ -109,7 +175,18 @@ template <int kHeadDim, typename Element> struct FwdConfig;
 template <typename E> struct FwdConfig<32, E>  { using Traits = FwdKernelTraits<32, 128, 64, 4, true, 2, 3, E>; };
 template <typename E> struct FwdConfig<64, E>  { using Traits = FwdKernelTraits<64, 128, 64, 4, true, 1, 3, E>; };
 template <typename E> struct FwdConfig<96, E>  { using Traits = FwdKernelTraits<96, 128, 64, 8, true, 1, 3, E>; };
+#if FLASH_FWD_HD128_VARIANT == 0
 template <typename E> struct FwdConfig<128, E> { using Traits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>; };
+#elif FLASH_FWD_HD128_VARIANT == 1
+template <typename E> struct FwdConfig<128, E> {
+    using Traits = FwdSteppedTraits<FwdKernelTraits<128, 128, 64, 4, false, 2, 2, E>>;
+    using OneBlockTraits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>;  // variant 0, for 1 CTA per SM
+};
+#elif FLASH_FWD_HD128_VARIANT == 2
+template <typename E> struct FwdConfig<128, E> { using Traits = FwdSteppedTraits<FwdKernelTraits<128, 256, 64, 8, false, 1, 2, E>>; };
+#else
+#error "FLASH_FWD_HD128_VARIANT must be 0, 1 or 2"
+#endif
 template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<256, 64, 16, 4, false, 2, 2, E>; };
 
 //                                                                       hd   Br warps colSplits
@@ -117,7 +194,20 @@ template <int kHeadDim, typename Element> struct BwdConfig;
 template <typename E> struct BwdConfig<32, E>  { using Traits = BwdKernelTraits<32, 64, 8, 1, E>; };
 template <typename E> struct BwdConfig<64, E>  { using Traits = BwdKernelTraits<64, 128, 8, 1, E>; };
 template <typename E> struct BwdConfig<96, E>  { using Traits = BwdKernelTraits<96, 32, 4, 1, E>; };
+// Variants: BwdVariantTraits<Base, kSdpWarpsQ, kDqWarpsM, kDkFromSmem, kDkvWarpsD, kDoStages>.
+#if FLASH_BWD_HD128_VARIANT == 0
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdKernelTraits<128, 64, 8, 1, E>; };
+#elif FLASH_BWD_HD128_VARIANT == 1
+template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 4, false, 1, 2>; };
+#elif FLASH_BWD_HD128_VARIANT == 2
+template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, true, 2, 2>; };
+#elif FLASH_BWD_HD128_VARIANT == 3
+template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 1>; };
+#elif FLASH_BWD_HD128_VARIANT == 4
+template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, false, 1, 2>; };
+#else
+#error "FLASH_BWD_HD128_VARIANT must be 0 to 4"
+#endif
 template <typename E> struct BwdConfig<256, E> { using Traits = BwdKernelTraits<256, 32, 4, 2, E>; };
 
 }  // namespace flash

@@ -114,6 +114,44 @@ __device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gm
     }
 }
 
+// The same copy with one source pointer advanced by a fixed row step per chunk. copy_tile_async's
+// per-chunk 64-bit offsets (row * row_stride) are loop-invariant in the kernels' main loops, so ptxas
+// hoists them out and, at 255 registers, spills them (4 warps x 2 m16 tiles at hd128: ~430 B of spill,
+// 48 LDL per K/V tile); here only the pointer, its step and the row index stay live.
+template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+__device__ __forceinline__ void copy_tile_async_stepped(Element* smem, const Element* gmem, int64_t row_stride,
+                                                        int valid_rows, int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    static_assert(kNThreads % kChunksPerRow == 0, "a thread's chunks must share one column");
+    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
+    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
+    const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
+    const uint32_t dst = smem_addr(smem + row0 * kSmemStride + col);
+    const Element* src = gmem + row0 * row_stride + col;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
+        if (kChunks % kNThreads == 0 || c0 + static_cast<int>(threadIdx.x) < kChunks) {
+            const int step = c0 / kNThreads;  // compile-time
+            const bool pred = row0 + step * kRowsPerStep < valid_rows && col < d;
+            cp_async_16(dst + step * kRowsPerStep * kSmemStride * static_cast<uint32_t>(sizeof(Element)),
+                        pred ? src : gmem, pred);
+        }
+        src += kRowsPerStep * row_stride;
+    }
+}
+
+// kStepped picks copy_tile_async_stepped (the v5 variants) or copy_tile_async (the committed kernels).
+template <bool kStepped, int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+__device__ __forceinline__ void copy_tile(Element* smem, const Element* gmem, int64_t row_stride, int valid_rows,
+                                          int d) {
+    if constexpr (kStepped) {
+        copy_tile_async_stepped<kRows, kHeadDim, kSmemStride, kNThreads>(smem, gmem, row_stride, valid_rows, d);
+    } else {
+        copy_tile_async<kRows, kHeadDim, kSmemStride, kNThreads>(smem, gmem, row_stride, valid_rows, d);
+    }
+}
+
 // Write a (kRows x kHeadDim) shared-memory tile to global rows [0, valid_rows), columns [0, d),
 // 16 bytes per thread per step so each row segment is a coalesced run.
 template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>

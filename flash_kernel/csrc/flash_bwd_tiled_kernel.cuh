@@ -1,0 +1,452 @@
+// FlashAttention-2 backward (Algorithm 2) with a configurable warp tiling: the v5 sweep (issue 5) for head
+// dim 128, selected by FLASH_BWD_HD128_VARIANT through BwdVariantTraits (kernel_traits.h). The committed
+// kernels run flash_bwd_kernel (flash_bwd_kernel.cuh, which has the algorithm text and line numbers cited
+// here); this one computes the same thing with the same masking, bounds and deterministic-mode rules.
+//
+// Why: the committed backward reads ~94 KB of shared memory per warp per query block through ldmatrix for
+// 320 MMAs (14 FLOP/byte), i.e. it is bound by shared-memory bandwidth (128 B/clk/SM) before the tensor
+// cores. A warp tile of m x n rows/columns loads (m + n) / (m n) fragments per MMA, so squarer warp tiles
+// read less; the price is shared-memory round trips for P^T / dS^T and, with late loads, barriers.
+#pragma once
+
+#include "flash_bwd_kernel.cuh"
+
+namespace flash {
+
+// Write a warp's (kMTiles m16 x kNTiles n8) fp32 C fragments, times sc, as Element into a padded
+// row-major shared-memory tile: fragment (mt, i) lands at rows row0 + 16 mt + {0, 8}, columns col0 + 8 i
+// (row0 and col0 already include this lane's g and 2t).
+template <int kMTiles, int kNTiles, int kStride, typename Element>
+__device__ __forceinline__ void store_acc_tile(Element* s, const float (&acc)[kMTiles][kNTiles][4], int row0, int col0,
+                                               float sc) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < kNTiles; ++i) {
+            Element* dst = s + (row0 + mt * kMmaM) * kStride + col0 + i * kMmaN;
+            *reinterpret_cast<uint32_t*>(dst) = pack2<Element>(acc[mt][i][0] * sc, acc[mt][i][1] * sc);
+            *reinterpret_cast<uint32_t*>(dst + 8 * kStride) = pack2<Element>(acc[mt][i][2] * sc, acc[mt][i][3] * sc);
+        }
+    }
+}
+
+// Warp tiling (knobs in BwdVariantTraits). With kSdpWarpsQ = 1 and !kDkFromSmem it is the committed one:
+// warp w owns keys [16w, 16w+16) for S^T, dP^T, dV and dK (P^T and dS^T stay in registers as A operands).
+// kSdpWarpsQ > 1 splits S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed
+// after the barrier; kDkFromSmem computes dK after the barrier from dS^T in shared memory, each with its
+// own (keys x columns) warp tile; kDqWarpsM < kBlockM / 16 gives dQ warps several m16 tiles.
+template <typename Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(const BwdParams params) {
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kNThreads = Traits::kNThreads;
+    constexpr int kNWarps = Traits::kNWarps;
+    constexpr int kStride = Traits::kSmemStride;
+    constexpr int kDsStride = Traits::kSmemDsStride;
+    constexpr int kOutCols = Traits::kOutCols;
+    constexpr int kNTilesD = kOutCols / kMmaN;  // n8 tiles of dK / dV per warp (from registers)
+    constexpr int kKStepsD = kHeadDim / kMmaK;
+    constexpr int kKStepsM = kBlockM / kMmaK;
+    constexpr int kKStepsN = kBlockN / kMmaK;
+    constexpr bool kStepped = Traits::kSteppedCopy;
+    // S^T / dP^T warp tile: kSdpKTiles key m16 tiles x kSdpQCols queries (committed: 1 x kBlockM).
+    constexpr int kSdpWarpsK = kNWarps / Traits::kSdpWarpsQ;
+    constexpr int kSdpKTiles = kBlockN / (kMmaM * kSdpWarpsK);
+    constexpr int kSdpQCols = kBlockM / Traits::kSdpWarpsQ;
+    constexpr int kNTilesM = kSdpQCols / kMmaN;  // n8 tiles of S^T / dP^T per warp (queries)
+    constexpr bool kPInSmem = Traits::kSdpWarpsQ > 1;
+    constexpr bool kDkFromSmem = Traits::kDkFromSmem;
+    // dK (kDkFromSmem) and dV (kPInSmem) computed after the barrier: kDkvKTiles key m16 tiles x kDkvCols.
+    constexpr int kDkvWarpsK = kNWarps / Traits::kDkvWarpsD;
+    constexpr int kDkvKTiles = kBlockN / (kMmaM * kDkvWarpsK);
+    constexpr int kDkvCols = kOutCols / Traits::kDkvWarpsD;
+    constexpr int kDkvNTiles = kDkvCols / kMmaN;
+    constexpr int kDvKTiles = kPInSmem ? kDkvKTiles : 1, kDvNTiles = kPInSmem ? kDkvNTiles : kNTilesD;
+    constexpr int kDkKTiles = kDkFromSmem ? kDkvKTiles : 1, kDkNTiles = kDkFromSmem ? kDkvNTiles : kNTilesD;
+    constexpr int kDqMTiles = kBlockM / (kMmaM * Traits::kDqWarpsM);
+    constexpr int kDqNTiles = Traits::kDqCols / kMmaN;
+    static_assert(kPInSmem || kSdpKTiles == 1, "P^T from registers: a warp's S^T tile is one m16 tile of keys");
+    static_assert(Traits::kDoStages == 2 || kDkFromSmem, "one dO stage is refilled after the barrier (late loads)");
+    constexpr uint32_t kMTileBytes = kMmaM * kStride * sizeof(Element);
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Element* sK = reinterpret_cast<Element*>(smem_raw);                // [kBlockN][kStride]
+    Element* sV = sK + Traits::kSmemKVElems;                           // [kBlockN][kStride]
+    Element* sQ = sV + Traits::kSmemKVElems;                           // [kNStages][kBlockM][kStride]
+    Element* sdO = sQ + Traits::kNStages * Traits::kSmemQTileElems;    // [kDoStages][kBlockM][kStride]
+    Element* sdS = sdO + Traits::kDoStages * Traits::kSmemQTileElems;  // [kBlockN][kDsStride]: dS^T
+    Element* sP = sdS + Traits::kSmemDsElems;                          // [kBlockN][kDsStride]: P^T (kPInSmem)
+    float* sLse = reinterpret_cast<float*>(sP + Traits::kSmemPElems);  // [kNStages][kBlockM], LSE * log2e
+    float* sDelta = sLse + Traits::kNStages * kBlockM;                 // [kNStages][kBlockM]
+
+    const int bidh = blockIdx.y / Traits::kColSplits, bidb = blockIdx.z;
+    const int col0 = (blockIdx.y % Traits::kColSplits) * kOutCols;  // this block's dK/dV/dQ columns
+    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+    const int g = lane / 4, t = lane % 4;
+    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, d = params.d;
+    const int causal_offset = seqlen_k - seqlen_q;
+    const float scale_log2 = params.scale_softmax_log2;
+    const int bidh_k = bidh / params.h_h_k_ratio;
+
+    const Element* q = static_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
+    const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
+    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_k * params.k_head_stride;
+    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
+    const int64_t row_base = (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;  // into (B, Hq, Tq)
+    const float* lse = params.lse_ptr + row_base;
+    const float* delta = params.delta_ptr + row_base;
+    const int split = params.deterministic ? blockIdx.x : 0;
+    float* dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride + row_base * params.d_rounded;
+
+    // ldmatrix lane addressing (see utils.cuh).
+    const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;    // A from row-major [m][k]
+    const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;    // B from [n][k]
+    const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_col = (lane / 16) * 8;  // B from [k][n] (.trans)
+    const int at_row = (lane % 8) + (lane / 16) * 8, at_col = ((lane / 8) % 2) * 8;  // A from [k][m] (.trans)
+    // This warp's tiles: first key (row of sK) and query (row of sQ) or column, relative to the block.
+    const int sdp_key0 = (warp % kSdpWarpsK) * kSdpKTiles * kMmaM, sdp_q0 = (warp / kSdpWarpsK) * kSdpQCols;
+    const int dkv_key0 = (warp % kDkvWarpsK) * kDkvKTiles * kMmaM, dkv_c0 = (warp / kDkvWarpsK) * kDkvCols;
+    const int dq_q0 = (warp % Traits::kDqWarpsM) * kDqMTiles * kMmaM, dq_c0 = (warp / Traits::kDqWarpsM) * Traits::kDqCols;
+
+    const int num_n_blocks = ceil_div(seqlen_k, kBlockN);
+    const int m_block_max = ceil_div(seqlen_q, kBlockM);
+
+    // Alg. 2 line 10: Q_i, dO_i via cp.async; L_i (pre-multiplied by log2e) and D_i via plain stores.
+    // Rows past Tq get L = +inf (so P = 0) and D = 0.
+    auto load_q = [&](int m_block, int stage) {
+        const int row0 = m_block * kBlockM;
+        copy_tile<kStepped, kBlockM, kHeadDim, kStride, kNThreads>(sQ + stage * Traits::kSmemQTileElems,
+                                                                    q + row0 * params.q_row_stride, params.q_row_stride,
+                                                                    seqlen_q - row0, d);
+    };
+    auto load_do = [&](int m_block, int stage) {
+        const int row0 = m_block * kBlockM;
+        copy_tile<kStepped, kBlockM, kHeadDim, kStride, kNThreads>(sdO + stage * Traits::kSmemQTileElems,
+                                                                    dO + row0 * params.do_row_stride,
+                                                                    params.do_row_stride, seqlen_q - row0, d);
+    };
+    auto load_lse_delta = [&](int m_block, int stage) {
+        const int row0 = m_block * kBlockM;
+        if (tid < kBlockM) {
+            const bool in = row0 + tid < seqlen_q;
+            sLse[stage * kBlockM + tid] = in ? lse[row0 + tid] * kLog2e : INFINITY;
+            sDelta[stage * kBlockM + tid] = in ? delta[row0 + tid] : 0.f;
+        }
+    };
+    // acc (kDkvKTiles x kDkvNTiles, this warp's dK/dV tile) += X^T Y over the block's kBlockM queries:
+    // X^T (keys x queries) from sXt [kBlockN][kDsStride] (P^T or dS^T), Y (queries x head dim) from sY.
+    auto mma_xt_y = [&](float (&acc)[kDkvKTiles][kDkvNTiles][4], const Element* sXt, const Element* sY) {
+#pragma unroll
+        for (int kk = 0; kk < kKStepsM; ++kk) {
+            uint32_t a[kDkvKTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kDkvKTiles; ++mt) {
+                ldmatrix_x4(a[mt], smem_addr(sXt + (dkv_key0 + mt * kMmaM + a_row) * kDsStride + kk * kMmaK + a_col));
+            }
+#pragma unroll
+            for (int dp = 0; dp < kDkvNTiles / 2; ++dp) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, smem_addr(sY + (kk * kMmaK + bt_row) * kStride + col0 + dkv_c0 + dp * 16 + bt_col));
+#pragma unroll
+                for (int mt = 0; mt < kDkvKTiles; ++mt) {
+                    Mma<Element>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                    Mma<Element>::run(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    };
+
+    for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+        const int key0 = n_block * kBlockN;
+        const int valid_keys = min(kBlockN, seqlen_k - key0);
+        // Causal: query blocks that end before the first query seeing key0 contribute nothing.
+        const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
+
+        // Alg. 2 lines 7-8.
+        copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sK, k + key0 * params.k_row_stride, params.k_row_stride,
+                                                                    valid_keys, d);
+        copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride, params.v_row_stride,
+                                                                    valid_keys, d);
+        if (m_block_min < m_block_max) {
+            load_q(m_block_min, 0);
+            load_do(m_block_min, 0);
+            load_lse_delta(m_block_min, 0);
+        }
+        cp_async_commit();
+
+        float acc_dk[kDkKTiles][kDkNTiles][4], acc_dv[kDvKTiles][kDvNTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kDkKTiles; ++mt) {
+#pragma unroll
+            for (int i = 0; i < kDkNTiles; ++i) acc_dk[mt][i][0] = acc_dk[mt][i][1] = acc_dk[mt][i][2] = acc_dk[mt][i][3] = 0.f;
+        }
+#pragma unroll
+        for (int mt = 0; mt < kDvKTiles; ++mt) {
+#pragma unroll
+            for (int i = 0; i < kDvNTiles; ++i) acc_dv[mt][i][0] = acc_dv[mt][i][1] = acc_dv[mt][i][2] = acc_dv[mt][i][3] = 0.f;
+        }
+        const uint32_t sK_warp = smem_addr(sK + (sdp_key0 + a_row) * kStride + a_col);
+        const uint32_t sV_warp = smem_addr(sV + (sdp_key0 + a_row) * kStride + a_col);
+        const int key_row = key0 + sdp_key0 + g;  // this thread's keys: key_row + 16 mt + {0, 8}
+
+        for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+            const int stage = (m_block - m_block_min) % Traits::kNStages;
+            const int do_stage = Traits::kDoStages == 2 ? stage : 0;
+            if constexpr (!kDkFromSmem) {
+                // Prefetch i+1 into the other stage: last read in iteration i-1, before its second barrier.
+                if (m_block + 1 < m_block_max) {
+                    load_q(m_block + 1, stage ^ 1);
+                    load_do(m_block + 1, stage ^ 1);
+                    load_lse_delta(m_block + 1, stage ^ 1);
+                }
+                cp_async_commit();
+                cp_async_wait<1>();
+                __syncthreads();
+            } else {
+                // Q_{i-1} (the other stage) was read by dK after iteration i-1's second barrier, so Q_{i+1}
+                // may overwrite it only once every warp has passed this barrier.
+                cp_async_wait<0>();
+                __syncthreads();
+                if (m_block + 1 < m_block_max) {
+                    load_q(m_block + 1, stage ^ 1);
+                    if (Traits::kDoStages == 2) load_do(m_block + 1, stage ^ 1);
+                    load_lse_delta(m_block + 1, stage ^ 1);
+                }
+                cp_async_commit();
+            }
+
+            const Element* sQ_st = sQ + stage * Traits::kSmemQTileElems;
+            const Element* sdO_st = sdO + do_stage * Traits::kSmemQTileElems;
+            const float* sLse_st = sLse + stage * kBlockM;
+            const float* sDelta_st = sDelta + stage * kBlockM;
+            const int query0 = m_block * kBlockM;
+
+            // Alg. 2 line 11: S^T = K_j Q_i^T, (16 kSdpKTiles keys x kSdpQCols queries) per warp.
+            float p[kSdpKTiles][kNTilesM][4];
+#pragma unroll
+            for (int mt = 0; mt < kSdpKTiles; ++mt) {
+#pragma unroll
+                for (int i = 0; i < kNTilesM; ++i) p[mt][i][0] = p[mt][i][1] = p[mt][i][2] = p[mt][i][3] = 0.f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < kKStepsD; ++kk) {
+                uint32_t a[kSdpKTiles][4];
+#pragma unroll
+                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_x4(a[mt], sK_warp + mt * kMTileBytes + kk * kMmaK * sizeof(Element));
+#pragma unroll
+                for (int np = 0; np < kNTilesM / 2; ++np) {
+                    uint32_t b[4];
+                    ldmatrix_x4(b, smem_addr(sQ_st + (sdp_q0 + np * 16 + b_row) * kStride + kk * kMmaK + b_col));
+#pragma unroll
+                    for (int mt = 0; mt < kSdpKTiles; ++mt) {
+                        Mma<Element>::run(p[mt][2 * np], a[mt], b[0], b[1]);
+                        Mma<Element>::run(p[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+            // Mask keys past Tk (zero-filled K rows would otherwise give P = exp(-L), which can overflow)
+            // and, on diagonal tiles, keys a query may not see.
+            const bool need_mask =
+                key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset);
+            if (need_mask) {
+#pragma unroll
+                for (int mt = 0; mt < kSdpKTiles; ++mt) {
+#pragma unroll
+                    for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = key_row + mt * kMmaM + (e >= 2 ? 8 : 0);
+                            const int query = query0 + sdp_q0 + i * kMmaN + 2 * t + (e & 1);
+                            if (key >= seqlen_k || (kIsCausal && key > query + causal_offset)) p[mt][i][e] = -INFINITY;
+                        }
+                    }
+                }
+            }
+            // Alg. 2 line 12: P^T = exp2(S^T * scale * log2e - L * log2e).
+#pragma unroll
+            for (int mt = 0; mt < kSdpKTiles; ++mt) {
+#pragma unroll
+                for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        p[mt][i][e] = fast_exp2(fmaf(p[mt][i][e], scale_log2, -sLse_st[sdp_q0 + i * kMmaN + 2 * t + (e & 1)]));
+                    }
+                }
+            }
+            if constexpr (!kPInSmem) {
+                // Alg. 2 line 13: dV_j += P^T dO_i, P^T straight from registers as the A operand.
+#pragma unroll
+                for (int kk = 0; kk < kKStepsM; ++kk) {
+                    uint32_t a[4];
+                    a[0] = pack2<Element>(p[0][2 * kk][0], p[0][2 * kk][1]);
+                    a[1] = pack2<Element>(p[0][2 * kk][2], p[0][2 * kk][3]);
+                    a[2] = pack2<Element>(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
+                    a[3] = pack2<Element>(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
+#pragma unroll
+                    for (int dp = 0; dp < kNTilesD / 2; ++dp) {
+                        uint32_t b[4];
+                        ldmatrix_x4_trans(b, smem_addr(sdO_st + (kk * kMmaK + bt_row) * kStride + col0 + dp * 16 + bt_col));
+                        Mma<Element>::run(acc_dv[0][2 * dp], a, b[0], b[1]);
+                        Mma<Element>::run(acc_dv[0][2 * dp + 1], a, b[2], b[3]);
+                    }
+                }
+            }
+            // Alg. 2 line 14: dP^T = V_j dO_i^T.
+            float ds[kSdpKTiles][kNTilesM][4];
+#pragma unroll
+            for (int mt = 0; mt < kSdpKTiles; ++mt) {
+#pragma unroll
+                for (int i = 0; i < kNTilesM; ++i) ds[mt][i][0] = ds[mt][i][1] = ds[mt][i][2] = ds[mt][i][3] = 0.f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < kKStepsD; ++kk) {
+                uint32_t a[kSdpKTiles][4];
+#pragma unroll
+                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_x4(a[mt], sV_warp + mt * kMTileBytes + kk * kMmaK * sizeof(Element));
+#pragma unroll
+                for (int np = 0; np < kNTilesM / 2; ++np) {
+                    uint32_t b[4];
+                    ldmatrix_x4(b, smem_addr(sdO_st + (sdp_q0 + np * 16 + b_row) * kStride + kk * kMmaK + b_col));
+#pragma unroll
+                    for (int mt = 0; mt < kSdpKTiles; ++mt) {
+                        Mma<Element>::run(ds[mt][2 * np], a[mt], b[0], b[1]);
+                        Mma<Element>::run(ds[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+            // Alg. 2 line 15: dS^T = P^T o (dP^T - D_i).
+#pragma unroll
+            for (int mt = 0; mt < kSdpKTiles; ++mt) {
+#pragma unroll
+                for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        ds[mt][i][e] = p[mt][i][e] * (ds[mt][i][e] - sDelta_st[sdp_q0 + i * kMmaN + 2 * t + (e & 1)]);
+                    }
+                }
+            }
+            if constexpr (!kDkFromSmem) {
+                // Alg. 2 line 17: dK_j += dS^T Q_i (softmax_scale applied once in the epilogue).
+#pragma unroll
+                for (int kk = 0; kk < kKStepsM; ++kk) {
+                    uint32_t a[4];
+                    a[0] = pack2<Element>(ds[0][2 * kk][0], ds[0][2 * kk][1]);
+                    a[1] = pack2<Element>(ds[0][2 * kk][2], ds[0][2 * kk][3]);
+                    a[2] = pack2<Element>(ds[0][2 * kk + 1][0], ds[0][2 * kk + 1][1]);
+                    a[3] = pack2<Element>(ds[0][2 * kk + 1][2], ds[0][2 * kk + 1][3]);
+                    // dS^T -> shared memory for line 16 (the previous iteration's readers passed this
+                    // iteration's first barrier).
+                    const int r = sdp_key0 + g;
+                    const int c = kk * kMmaK + 2 * t;
+                    *reinterpret_cast<uint32_t*>(sdS + r * kDsStride + c) = a[0];
+                    *reinterpret_cast<uint32_t*>(sdS + (r + 8) * kDsStride + c) = a[1];
+                    *reinterpret_cast<uint32_t*>(sdS + r * kDsStride + c + 8) = a[2];
+                    *reinterpret_cast<uint32_t*>(sdS + (r + 8) * kDsStride + c + 8) = a[3];
+#pragma unroll
+                    for (int dp = 0; dp < kNTilesD / 2; ++dp) {
+                        uint32_t b[4];
+                        ldmatrix_x4_trans(b, smem_addr(sQ_st + (kk * kMmaK + bt_row) * kStride + col0 + dp * 16 + bt_col));
+                        Mma<Element>::run(acc_dk[0][2 * dp], a, b[0], b[1]);
+                        Mma<Element>::run(acc_dk[0][2 * dp + 1], a, b[2], b[3]);
+                    }
+                }
+            } else {
+                // dS^T (and P^T when dV needs other warps' queries) -> shared memory, for lines 13, 16, 17
+                // after the barrier. The previous iteration's readers passed this iteration's first barrier.
+                store_acc_tile<kSdpKTiles, kNTilesM, kDsStride>(sdS, ds, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
+                if constexpr (kPInSmem) store_acc_tile<kSdpKTiles, kNTilesM, kDsStride>(sP, p, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
+            }
+            __syncthreads();  // dS^T complete; with early loads also every read of this stage's Q_i / dO_i / L_i / D_i
+
+            if constexpr (kPInSmem) {
+                // Alg. 2 line 13: dV_j += P^T dO_i, this warp's (keys x columns) tile.
+                mma_xt_y(acc_dv, sP, sdO_st);
+            }
+            if constexpr (Traits::kDoStages == 1) {
+                if constexpr (kPInSmem) __syncthreads();  // every warp's last read of dO_i (dV) is done
+                if (m_block + 1 < m_block_max) load_do(m_block + 1, 0);
+                cp_async_commit();
+            }
+            if constexpr (kDkFromSmem) {
+                // Alg. 2 line 17: dK_j += dS^T Q_i, this warp's (keys x columns) tile.
+                mma_xt_y(acc_dk, sdS, sQ_st);
+            }
+
+            // Alg. 2 line 16: dQ_i += dS K_j, this warp's (16 kDqMTiles queries x kDqCols) tile.
+            float dq[kDqMTiles][kDqNTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+                for (int i = 0; i < kDqNTiles; ++i) dq[mt][i][0] = dq[mt][i][1] = dq[mt][i][2] = dq[mt][i][3] = 0.f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < kKStepsN; ++kk) {
+                uint32_t a[kDqMTiles][4];
+#pragma unroll
+                for (int mt = 0; mt < kDqMTiles; ++mt) {
+                    ldmatrix_x4_trans(a[mt], smem_addr(sdS + (kk * kMmaK + at_row) * kDsStride + dq_q0 + mt * kMmaM + at_col));
+                }
+#pragma unroll
+                for (int dp = 0; dp < kDqNTiles / 2; ++dp) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, smem_addr(sK + (kk * kMmaK + bt_row) * kStride + col0 + dq_c0 + dp * 16 + bt_col));
+#pragma unroll
+                    for (int mt = 0; mt < kDqMTiles; ++mt) {
+                        Mma<Element>::run(dq[mt][2 * dp], a[mt], b[0], b[1]);
+                        Mma<Element>::run(dq[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int query = query0 + dq_q0 + mt * kMmaM + g + r * 8;
+                    if (query < seqlen_q) {
+                        float* dst_row = dq_accum + static_cast<int64_t>(query) * params.d_rounded;
+#pragma unroll
+                        for (int i = 0; i < kDqNTiles; ++i) {
+                            const int col = col0 + dq_c0 + i * kMmaN + 2 * t;
+                            if (col < d) {
+                                float2* dst = reinterpret_cast<float2*>(dst_row + col);
+                                const float2 val = make_float2(dq[mt][i][2 * r], dq[mt][i][2 * r + 1]);
+                                if (params.deterministic) {
+                                    const float2 old = *dst;  // this block owns the split: ordered, no atomics
+                                    *dst = make_float2(old.x + val.x, old.y + val.y);
+                                } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                                    atomicAdd(dst, val);  // one 8-byte red.global.add.v2.f32 on sm90
+#else
+                                    atomicAdd(&dst->x, val.x);
+                                    atomicAdd(&dst->y, val.y);
+#endif
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        // Alg. 2 line 19: stage dK_j (scaled) and dV_j through this block's K/V tiles (columns [0, kOutCols)),
+        // then 16-byte stores to columns [col0, col0 + kOutCols).
+        cp_async_wait<0>();  // nothing in flight may land in sK/sV after the staging stores
+        __syncthreads();     // every warp finished reading sK / sV
+        store_acc_tile<kDkKTiles, kDkNTiles, kStride>(sK, acc_dk, (kDkFromSmem ? dkv_key0 : sdp_key0) + g,
+                                                      (kDkFromSmem ? dkv_c0 : 0) + 2 * t, params.scale_softmax);
+        store_acc_tile<kDvKTiles, kDvNTiles, kStride>(sV, acc_dv, (kPInSmem ? dkv_key0 : sdp_key0) + g,
+                                                      (kPInSmem ? dkv_c0 : 0) + 2 * t, 1.f);
+        __syncthreads();
+        Element* dk = static_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh * params.dk_head_stride +
+                      key0 * params.dk_row_stride + col0;
+        Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
+                      key0 * params.dv_row_stride + col0;
+        store_tile<kBlockN, kOutCols, kStride, kNThreads>(dk, sK, params.dk_row_stride, valid_keys, d - col0);
+        store_tile<kBlockN, kOutCols, kStride, kNThreads>(dv, sV, params.dv_row_stride, valid_keys, d - col0);
+        __syncthreads();  // the next K/V block's loads overwrite sK / sV
+    }
+}
+
+}  // namespace flash
