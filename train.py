@@ -62,7 +62,9 @@ def _wandb_offline() -> bool:
 
 def _shared_launch_id() -> str | None:
     """An id that every rank of one torchrun / SLURM launch sees alike (None when there is none)."""
-    if os.environ.get("SLURM_JOB_ID"):
+    # a multi-task srun; a lone `python train.py` inside an allocation keeps time-of-day names, so that
+    # consecutive runs of one job do not share a directory
+    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         step = os.environ.get("SLURM_STEP_ID")
         return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f".{step}" if step else "")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")

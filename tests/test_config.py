@@ -120,3 +120,18 @@ def test_bad_multi_gpu_settings_are_refused_by_name(monkeypatch, overrides, gpus
 def test_good_multi_gpu_settings_pass(monkeypatch, overrides):
     _fake_gpus(monkeypatch, 8, nccl="process_group_backend=gloo" not in overrides[-1])
     train.validate_trainer(_compose(*overrides).trainer)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "2"}, "slurm-77.2"),
+     ({"TORCHELASTIC_RUN_ID": "0123456789abcdef"}, "torchrun-01234567"),
+     ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None),  # one task in an allocation: a plain run
+     ({"TORCHELASTIC_RUN_ID": "none"}, None)],
+)
+def test_ranks_of_one_launch_name_one_run_directory(monkeypatch, env, expected):
+    for key in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert train._shared_launch_id() == expected
