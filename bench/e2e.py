@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -39,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.kernel import device_slug  # noqa: E402
+from bench.common import can_plot, device_slug  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
@@ -265,7 +265,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
     pipe = [r for r in rows if r["mode"] == "pipeline"]
     groups = sorted({(r["model"], r["seq_len"], r["batch"]) for r in pipe})
-    variants = sorted({(_attention(r), r["compile"], *_gpus(r)) for r in pipe})
+    by_case = {(r["model"], r["seq_len"], r["batch"], _attention(r), r["compile"], *_gpus(r)): r for r in pipe}
+    variants = sorted({case[3:] for case in by_case})
     if not groups:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(variants)) / 2), 4.5))
@@ -274,8 +275,7 @@ def plot(rows: list[dict], path: Path) -> None:
         attn, comp, gpus, strategy = variant
         xs, ys, labels = [], [], []
         for g, (model, T, B) in enumerate(groups):
-            r = next((r for r in pipe if (r["model"], r["seq_len"], r["batch"], _attention(r), r["compile"], *_gpus(r))
-                      == (model, T, B, *variant)), None)
+            r = by_case.get((model, T, B, *variant))
             if r is None:
                 continue
             xs.append(g + i * width)
@@ -320,33 +320,28 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.cuda.get_device_name()
         meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat()}
         compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+        # naive last: an OOM leaves the allocator fragmented for whatever runs after it
+        attentions = sorted(args.attentions, key=lambda a: a == "naive")
         new = []
-        for model in args.models:
-            for T in args.seqlens:
-                # naive last: an OOM leaves the allocator fragmented for whatever runs after it
-                for attn in sorted(args.attentions, key=lambda a: a == "naive"):
-                    for comp in compiles:
-                        for gpus in args.gpus:
-                            strategy = args.strategy if gpus > 1 else "single"
-                            for mode in args.modes if gpus == 1 else ["pipeline"]:
-                                t0 = time.perf_counter()
-                                B = max(1, args.tokens_per_step // T)
-                                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
-                                r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                                         gpus=gpus, strategy=strategy, **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
-                                new.append(r)
-                                print(
-                                    f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
-                                    f"-> {r['status']} {_fmt(r, 'tokens_per_s')} tok/s/GPU {_fmt(r, 'tflops_per_gpu', 1, 1)} "
-                                    f"TFLOP/s MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
-                                    flush=True,
-                                )
-                                rows = merge(args.out, new)
+        for model, T, attn, comp, gpus in itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus):
+            strategy = args.strategy if gpus > 1 else "single"
+            B = max(1, args.tokens_per_step // T)
+            for mode in args.modes if gpus == 1 else ["pipeline"]:  # the bare loop is single-GPU
+                t0 = time.perf_counter()
+                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
+                r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
+                         gpus=gpus, strategy=strategy, **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
+                new.append(r)
+                print(
+                    f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
+                    f"-> {r['status']} {_fmt(r, 'tokens_per_s')} tok/s/GPU {_fmt(r, 'tflops_per_gpu', 1, 1)} "
+                    f"TFLOP/s MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
+                    flush=True,
+                )
+                rows = merge(args.out, new)
     md = table(rows)
     args.out.with_suffix(".md").write_text(md + "\n")
-    if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU host: plot where it is installed
-        print("no matplotlib here: no figure; redraw it with `python bench/e2e.py --plot-only`")
-    else:
+    if can_plot("bench/e2e.py"):
         for dev in sorted({r["device"] for r in rows}):
             plot([r for r in rows if r["device"] == dev], RESULTS / f"e2e_{device_slug(dev)}.png")
     print(md)

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import math
 import os
-import re
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -38,6 +36,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/kernel.py` from anywhere imports the repo's flash_kernel
+
+from bench.common import can_plot, device_slug  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kernel.json"
 TOKENS = 16 * 1024  # B * T, the paper's fixed token count
@@ -338,10 +338,6 @@ def format_table(results: list[dict], device: str) -> str:
     return "\n".join(out)
 
 
-def device_slug(device: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-
-
 def plot(results: list[dict], device: str, path: Path) -> Path:
     """FA2 Figure 5 layout: grouped bars of TFLOP/s vs T per method; rows fwd+bwd / fwd / bwd, columns hd x causal."""
     import matplotlib
@@ -413,9 +409,7 @@ def parse_args(argv=None):
 
 def report(data: dict, devices: list[str], results_path: Path) -> None:
     for device in devices:
-        if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU host: plot where it is installed
-            print("\nno matplotlib here: no figure; redraw it with `python bench/kernel.py --plot-only`")
-        else:
+        if can_plot("bench/kernel.py"):
             png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}.png")
             print(f"\nfigure: {png}")
         env = data.get("environment", {}).get(device, {})

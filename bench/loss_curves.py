@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import sys
 from datetime import date
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.e2e import RESULTS, launch_train  # noqa: E402
-from bench.kernel import device_slug  # noqa: E402
+from bench.common import can_plot, device_slug  # noqa: E402
 
 
 def read_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
@@ -139,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps(entries, indent=1))
         print(f"[loss] max |Δ val/loss| over steps {new['val_steps']}: {new['max_abs_val_diff']:.5f} "
               f"(relative {new['max_rel_val_diff']:.2e})")
-    if importlib.util.find_spec("matplotlib") is None:
-        print("no matplotlib here: no figure; redraw it with `python bench/loss_curves.py --plot-only`")
+    if not can_plot("bench/loss_curves.py"):
         return
     for dev in sorted({e["device"] for e in entries}):
         plot([e for e in entries if e["device"] == dev], RESULTS / f"loss_curves_{device_slug(dev)}.png")

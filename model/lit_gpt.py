@@ -1,8 +1,9 @@
 """The LightningModule: next-token loss, AdamW with warmup + cosine decay, val loss, a NaN guard.
 
 Throughput/MFU logging lives in model/perf.py (a callback); checkpointing is the Trainer's; gradient
-clipping is done here (on_before_optimizer_step), since Lightning will not clip for fused AdamW. The module keeps only plain values in its hparams (no nn.Modules), so a checkpoint carries
-everything needed to rebuild it.
+clipping is done here (on_before_optimizer_step), since Lightning will not clip for fused AdamW. The module
+keeps only plain values in its hparams (no nn.Modules), so a checkpoint carries everything needed to
+rebuild it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 import torch.nn.functional as F
 
 from model.flops import flops_per_token
@@ -66,8 +68,6 @@ class LitGPT(L.LightningModule):
         # compiled on its own: a graph spanning FSDP units would break at every unit's hooks.
         if not self.compile or getattr(self, "_compiled", False):
             return
-        from lightning.pytorch.strategies import FSDPStrategy
-
         if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
             for block in self.model.blocks:
                 block.compile()
@@ -119,8 +119,6 @@ class LitGPT(L.LightningModule):
         # optimizer step, after DDP's all-reduce (or FSDP's reduce-scatter) and before the step.
         if not self.hparams.grad_clip:
             return
-        from lightning.pytorch.strategies import FSDPStrategy
-
         if isinstance(self.trainer.strategy, FSDPStrategy):
             norm = self.trainer.strategy.model.clip_grad_norm_(self.hparams.grad_clip)  # norm over all shards
         else:
