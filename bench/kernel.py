@@ -23,6 +23,7 @@ bench/results/kernel_<device>.png (rows: fwd+bwd, fwd, bwd; one panel per hd x c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -45,7 +46,7 @@ HIDDEN = 2048  # heads = HIDDEN // hd
 HEAD_DIMS = [64, 128]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "ours"]
+METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "ours", "ours_sm80"]
 LABELS = {
     "naive": "naive (PyTorch)",
     "sdpa": "SDPA default",
@@ -53,7 +54,9 @@ LABELS = {
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_efficient": "SDPA EFFICIENT",
     "ours": "ours (flash_kernel)",
+    "ours_sm80": "ours, sm80 forward",
 }
+OURS = ("ours", "ours_sm80")  # ours_sm80: FLASH_KERNEL_FWD=sm80, the mma.sync forward a Hopper GPU can also run
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
 GIB = 1024**3
@@ -98,12 +101,10 @@ def _sdpa_backend(method: str):
 def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, dtype):
     """Inputs in the method's native layout (requires_grad), a closure computing o, and a factory of the context
     to run it in (a factory: sdpa_kernel's context manager is single-use)."""
-    import contextlib
-
     import torch.nn.functional as F
 
     device = DEVICE
-    if method == "ours":
+    if method in OURS:
         import flash_kernel
 
         if not flash_kernel.is_available():
@@ -125,13 +126,42 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
 
         context = lambda: sdpa_kernel(_sdpa_backend(method))  # noqa: E731
         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    elif method == "ours":
+    elif method in OURS:
         from flash_kernel import flash_attn_func
 
         fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+        if method == "ours_sm80":
+            context = lambda: _env("FLASH_KERNEL_FWD", "sm80")  # noqa: E731
     else:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     return (q, k, v, do), fn, context
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """os.environ[name] = value inside (the kernel binding reads FLASH_KERNEL_FWD at every call)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def fwd_kernel_name(method: str, head_dim: int) -> str:
+    """Which forward kernel a row of ours ran ("sm90a-wgmma" / "sm80-mma"); "" for PyTorch's methods."""
+    if method not in OURS:
+        return ""
+    from flash_kernel.interface import _load_C
+
+    name = lambda: _load_C().fwd_kernel_name(head_dim, torch.cuda.current_device())  # noqa: E731
+    if method == "ours_sm80":
+        with _env("FLASH_KERNEL_FWD", "sm80"):
+            return name()
+    return name()
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -231,6 +261,8 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                         results += [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_mem_gib=None, note="") for m in args.modes]
                         _free()
                         continue
+                    if method in OURS:
+                        base["fwd_kernel"] = fwd_kernel_name(method, head_dim)
                     for mode in args.modes:
                         row = dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="")
                         try:
@@ -315,7 +347,8 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 
 
 def format_table(results: list[dict], device: str) -> str:
-    """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH and ours / SDPA-default ratios."""
+    """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH, ours / SDPA-default and
+    ours / cuDNN ratios (issue 5: stage 1 is FA2 parity, stage 2 cuDNN parity on Hopper)."""
     rows = [r for r in results if r["device"] == device]
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
@@ -327,13 +360,13 @@ def format_table(results: list[dict], device: str) -> str:
                 if not seqlens:
                     continue
                 out.append(f"\n### {MODE_LABELS[mode]}, hd {head_dim}, {'causal' if causal else 'non-causal'}\n")
-                header = ["T"] + [LABELS[m] for m in methods] + ["ours/FLASH", "ours/SDPA"]
+                header = ["T"] + [LABELS[m] for m in methods] + ["ours/FLASH", "ours/SDPA", "ours/cuDNN"]
                 out.append("| " + " | ".join(header) + " |")
                 out.append("|" + "---|" * len(header))
                 for seqlen in seqlens:
                     get = lambda m: index.get((m, head_dim, causal, seqlen, mode))  # noqa: E731
                     cells = [str(seqlen)] + [_cell(get(m)) for m in methods]
-                    cells += [_ratio(get("ours"), get("sdpa_flash")), _ratio(get("ours"), get("sdpa"))]
+                    cells += [_ratio(get("ours"), get(m)) for m in ("sdpa_flash", "sdpa", "sdpa_cudnn")]
                     out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -432,7 +465,7 @@ def main(argv=None) -> int:
             "bench/kernel.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
             "run it on the GPU machine, or `--plot-only` to redraw from " + str(args.results)
         )
-    if "ours" in args.methods:
+    if set(OURS) & set(args.methods):
         import flash_kernel
 
         if not flash_kernel.is_available():

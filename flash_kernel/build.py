@@ -6,7 +6,9 @@ package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. The ke
 (Dao, 2023) Algorithms 1 and 2; see csrc/flash_fwd_kernel.cuh and csrc/flash_bwd_kernel.cuh.
 
 Environment:
-  FLASH_KERNEL_ARCHS   semicolon-separated SM versions, default "80;90" (one -gencode each)
+  FLASH_KERNEL_ARCHS   semicolon-separated SM versions, default "80;90a" (one -gencode each). "90a" (Hopper's
+                       arch-specific target, needed by wgmma) also compiles the Hopper forward and makes H100/H200
+                       run it; "90" instead builds the sm80 kernels only, for sm_90. Not both.
   MAX_JOBS             parallel compile jobs, default: all cores
   FLASH_KERNEL_NVCC_EXTRA  extra nvcc flags, shell-split and appended (default none), e.g.
                        "-DFLASH_BWD_HD128_VARIANT=3" for the kernel variants of kernel_traits.h
@@ -29,7 +31,8 @@ PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 CSRC_DIR = os.path.join(PKG_DIR, "csrc")
 BUILD_DIR = os.path.join(PKG_DIR, "_build")
 EXT_NAME = "_C"
-DEFAULT_ARCHS = "80;90"
+DEFAULT_ARCHS = "80;90a"
+SM90A_DEFINE = "-DFLASH_KERNEL_SM90A"  # hopper_kernel_traits.h: the wgmma forward is compiled in
 
 
 def _unavailable_reason() -> str | None:
@@ -48,14 +51,14 @@ def _unavailable_reason() -> str | None:
 
 
 def _arch_flags(archs: str) -> list[str]:
-    flags = []
-    for arch in archs.replace(",", ";").split(";"):
-        arch = arch.strip().replace(".", "")
-        if arch:
-            flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-    if not flags:
+    names = [a.strip().replace(".", "") for a in archs.replace(",", ";").split(";") if a.strip()]
+    if not names:
         raise SystemExit(f"FLASH_KERNEL_ARCHS={archs!r} names no architecture")
-    return flags
+    if "90" in names and "90a" in names:
+        # An sm_90 GPU would load one of the two cubins; only the 90a one has the Hopper forward.
+        raise SystemExit(f"FLASH_KERNEL_ARCHS={archs!r}: name 90a (with the Hopper forward) or 90, not both")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in names]
+    return flags + ([SM90A_DEFINE] if "90a" in names else [])
 
 
 def build(verbose: bool = False) -> str:

@@ -32,7 +32,7 @@ def _synthetic():
                 _row("naive", 20.0, seqlen, mode=mode),
                 _row("sdpa", 400.0, seqlen, mode=mode),
                 _row("sdpa_flash", 300.0, seqlen, mode=mode),
-                _row("sdpa_cudnn", 0, seqlen, mode=mode, status="n/a"),
+                _row("sdpa_cudnn", 600.0, seqlen, mode=mode, status="n/a" if seqlen == 512 else "ok"),
                 _row("ours", 150.0, seqlen, mode=mode),
             ]
     rows.append(_row("naive", 0, 16384, mode="fwd_bwd", status="OOM"))
@@ -67,10 +67,12 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_table_has_ratio_columns_oom_and_na():
     table = bench.format_table(_synthetic(), DEVICE)
-    assert "ours/FLASH" in table and "ours/SDPA" in table
+    assert "ours/FLASH" in table and "ours/SDPA" in table and "ours/cuDNN" in table
     line = next(ln for ln in table.splitlines() if ln.startswith("| 2048 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[-2:] == ["0.50", "0.38"]  # 150 / 300 and 150 / 400
+    assert cells[-3:] == ["0.50", "0.38", "0.25"]  # 150 / 300, 150 / 400 and 150 / 600
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 512 |"))
+    assert line.rstrip(" |").endswith("| -")  # no ratio against a method that could not run
     assert "| OOM |" in table and "n/a" in table
     assert "forward + backward, hd 128, causal" in table and "backward, hd 64, non-causal" in table
 

@@ -10,6 +10,8 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "flash_launch.h"
 #include "kernel_traits.h"
@@ -86,6 +88,18 @@ Sizes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     return s;
 }
 
+// The forward a Hopper GPU runs: "auto" (default) = the sm_90a wgmma kernel where one is built for the head
+// dim, "sm80" = the mma.sync kernel every sm80+ GPU runs (tests and benchmarks compare the two).
+// Environment variable FLASH_KERNEL_FWD, read at every call.
+bool sm90_forward_allowed(int device_index) {
+    const char* env = std::getenv("FLASH_KERNEL_FWD");
+    const std::string choice = env == nullptr ? "" : env;
+    TORCH_CHECK(choice.empty() || choice == "auto" || choice == "sm80", "flash_kernel: FLASH_KERNEL_FWD=", choice,
+                " is not a forward path; use auto (the default) or sm80");
+    const auto* prop = at::cuda::getDeviceProperties(device_index);
+    return prop->major == 9 && prop->minor == 0 && choice != "sm80";
+}
+
 void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
     p.q_ptr = q.data_ptr();
@@ -109,6 +123,14 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    p.use_sm90 = sm90_forward_allowed(q.device().index());
+}
+
+// Which forward kernel runs for this head dim on this device (benchmark labels, tests).
+std::string fwd_kernel_name(int64_t head_dim, int64_t device_index) {
+    const int d_rounded = flash::round_head_dim(static_cast<int>(head_dim));
+    const bool sm90 = sm90_forward_allowed(static_cast<int>(device_index)) && flash::hopper_fwd_built(d_rounded);
+    return sm90 ? "sm90a-wgmma" : "sm80-mma";
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
@@ -203,10 +225,13 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "FlashAttention-2 forward/backward CUDA kernels (mma.sync, sm80+); see flash_kernel/csrc";
+    m.doc() = "FlashAttention-2 forward/backward CUDA kernels (mma.sync on sm80+, wgmma forward on sm90a); see flash_kernel/csrc";
     m.def("fwd", &fwd, "FlashAttention-2 forward into caller-allocated o and lse", py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
     m.def("bwd", &bwd, "FlashAttention-2 backward into caller-allocated dq, dk, dv", py::arg("dout"), py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
           py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"));
+    m.def("fwd_kernel_name", &fwd_kernel_name,
+          "the forward kernel that runs for this head dim on this CUDA device: sm90a-wgmma or sm80-mma",
+          py::arg("head_dim"), py::arg("device_index"));
 }

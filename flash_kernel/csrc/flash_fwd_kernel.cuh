@@ -77,16 +77,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // Blocks whose first key is beyond the last visible key of this block's last row are skipped.
         n_block_max = min(n_block_max, ceil_div(row0 + kBlockM + causal_offset, kBlockN));
     }
-    if (n_block_max <= 0) {
-        // Every row of this block sees no key (causal, Tq > Tk): O = 0, LSE = +inf.
-        constexpr int kChunksPerRow = kHeadDim / kCopyElems;
-        for (int c = tid; c < kBlockM * kChunksPerRow; c += kNThreads) {
-            const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * kCopyElems;
-            if (row < valid_rows && col < params.d) {
-                *reinterpret_cast<uint4*>(o + row * params.o_row_stride + col) = make_uint4(0, 0, 0, 0);
-            }
-        }
-        for (int row = tid; row < valid_rows; row += kNThreads) lse[row] = INFINITY;
+    if (n_block_max <= 0) {  // every row of this block sees no key (causal, Tq > Tk)
+        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(o, params.o_row_stride, lse, valid_rows, params.d);
         return;
     }
 

@@ -3,6 +3,7 @@
 
 #include <type_traits>
 
+#include "flash_fwd_hopper_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "flash_launch.h"
 #include "static_switch.h"
@@ -13,9 +14,9 @@ constexpr int kDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above thi
 
 constexpr int kReservedSmemPerBlock = 1024;   // shared memory the driver keeps per thread block (sm80+)
 
-template <typename Traits, bool kIsCausal>
-cudaError_t launch_fwd(const FwdParams& params, cudaStream_t stream) {
-    auto kernel = &flash_fwd_kernel<Traits, kIsCausal>;
+// One forward kernel (flash_fwd_kernel or flash_fwd_hopper_kernel) of the given Traits.
+template <typename Traits>
+cudaError_t launch_fwd(void (*kernel)(FwdParams), const FwdParams& params, cudaStream_t stream) {
     constexpr int kSmem = Traits::kSmemBytes;
     if (kSmem > kDefaultSmemBytes) {
         FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -36,6 +37,14 @@ struct OneBlockTraitsOf<Config, std::void_t<typename Config::OneBlockTraits>> { 
 
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
+    if constexpr (HopperFwdConfig<kHeadDim, Element>::kAvailable) {
+        if (params.use_sm90) {
+            using HopperTraits = typename HopperFwdConfig<kHeadDim, Element>::Traits;
+            return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
+                return launch_fwd<HopperTraits>(&flash_fwd_hopper_kernel<HopperTraits, kIsCausal>, params, stream);
+            });
+        }
+    }
     using Config = FwdConfig<kHeadDim, Element>;
     using Traits = typename Config::Traits;
     using OneBlock = typename OneBlockTraitsOf<Config>::type;
@@ -47,7 +56,8 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
         resident = smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
     }
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        return resident ? launch_fwd<Traits, kIsCausal>(params, stream) : launch_fwd<OneBlock, kIsCausal>(params, stream);
+        return resident ? launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream)
+                        : launch_fwd<OneBlock>(&flash_fwd_kernel<OneBlock, kIsCausal>, params, stream);
     });
 }
 

@@ -9,6 +9,7 @@
 // trick that feeds P (and P^T, dS^T) from registers into the next matmul without shared memory.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -150,6 +151,19 @@ __device__ __forceinline__ void copy_tile(Element* smem, const Element* gmem, in
     } else {
         copy_tile_async<kRows, kHeadDim, kSmemStride, kNThreads>(smem, gmem, row_stride, valid_rows, d);
     }
+}
+
+// A query block whose rows all see no key (causal with Tq > Tk): O = 0 and LSE = +inf, which makes the
+// backward's P = exp(S - LSE) = 0 for those rows.
+template <int kRows, int kHeadDim, int kNThreads, typename Element>
+__device__ __forceinline__ void write_rows_without_keys(Element* o, int64_t o_row_stride, float* lse, int valid_rows,
+                                                        int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    for (int c = static_cast<int>(threadIdx.x); c < kRows * kChunksPerRow; c += kNThreads) {
+        const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+        if (row < valid_rows && col < d) *reinterpret_cast<uint4*>(o + row * o_row_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+    for (int row = static_cast<int>(threadIdx.x); row < valid_rows; row += kNThreads) lse[row] = INFINITY;
 }
 
 // Write a (kRows x kHeadDim) shared-memory tile to global rows [0, valid_rows), columns [0, d),

@@ -156,6 +156,43 @@ def test_long_other_head_dims(dtype, D, causal):
     run_case(1, 2049, 2049, 4, 2, D, dtype, causal)
 
 
+# ----------------------------------------------------------------------- the two forward paths on Hopper
+# On an sm_90 GPU the grid above runs the wgmma forward (head dims 33-128); these keep the mma.sync
+# forward, which sm_90 users get with FLASH_KERNEL_FWD=sm80 and every other GPU gets always, tested there.
+def _fwd_kernel_name(D):
+    return _load_C().fwd_kernel_name(D, torch.cuda.current_device())
+
+
+def _skip_unless_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU (H100/H200): elsewhere the sm80 forward is the only one, tested above")
+
+
+@pytest.mark.parametrize("D", [40, 64, 120, 128])
+def test_hopper_forward_is_the_default_on_sm90(D):
+    _skip_unless_sm90()
+    assert _fwd_kernel_name(D) == "sm90a-wgmma"
+    assert _fwd_kernel_name(32) == _fwd_kernel_name(256) == "sm80-mma"  # head dims without a Hopper forward
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 113), (113, 113), (255, 17), (1023, 3000), (2049, 2049)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sm80_forward_on_sm90(monkeypatch, dtype, D, causal, seqlen_q, seqlen_k):
+    _skip_unless_sm90()
+    monkeypatch.setenv("FLASH_KERNEL_FWD", "sm80")
+    assert _fwd_kernel_name(D) == "sm80-mma"
+    run_case(1, seqlen_q, seqlen_k, 4, 2, D, dtype, causal)
+
+
+def test_unknown_forward_path_is_refused(monkeypatch):
+    monkeypatch.setenv("FLASH_KERNEL_FWD", "wgmma")
+    q, k, v, _ = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="FLASH_KERNEL_FWD=wgmma is not a forward path; use auto"):
+        kernel_fwd(q, k, v, True, 0.125)
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 255), (255, 113)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", ODD_HEAD_DIMS)

@@ -1,0 +1,58 @@
+// Tile shapes of the Hopper (sm_90a, wgmma) forward, per head dim (issue 5, stage 2).
+//
+// A thread block is two consumer warpgroups of 64 query rows each (kBlockM = 128): each warpgroup computes
+// its S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P
+// as the register A operand. K/V tiles of kBlockN keys are kNStages-buffered with cp.async by all threads.
+// Shared memory holds Q and the K/V stages in the 128B-swizzled layout of hopper_utils.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "hopper_utils.cuh"
+#include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants
+
+namespace flash {
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kWarpgroupRows = 64;               // wgmma's M
+constexpr int kMaxSmemBytesSm90 = 227 * 1024;    // opt-in dynamic shared memory per block on H100/H200
+
+template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_>
+struct HopperFwdTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNStages = kNStages_;
+    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kNWarpgroups = 2;
+    static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
+    static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
+    static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
+    static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
+    // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
+    static constexpr int kSmemBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes + kSwizzleAtomBytes;
+
+    static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
+    static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
+    static_assert(kNStages == 2 || kNStages == 3, "K/V are double or triple buffered");
+    static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
+};
+
+// Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
+// (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
+//                                                                           hd   Bc stages minBlk
+template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
+#ifdef FLASH_KERNEL_SM90A
+template <typename E> struct HopperFwdConfig<64, E> {
+    static constexpr bool kAvailable = true;
+    using Traits = HopperFwdTraits<64, 128, 3, 1, E>;  // 2 blocks per SM (128 registers) spill 84 B
+};
+template <typename E> struct HopperFwdConfig<128, E> {
+    static constexpr bool kAvailable = true;
+    using Traits = HopperFwdTraits<128, 128, 2, 1, E>;
+};
+#endif
+
+}  // namespace flash

@@ -1,0 +1,109 @@
+// Hopper (sm_90a) pieces of the forward: the 128-byte-swizzled shared-memory tile layout that wgmma reads
+// through matrix descriptors, the descriptors themselves, the wgmma fences, and cp.async copies into and
+// out of that layout.
+//
+// Swizzled tile layout (the "SW128" layout of the PTX ISA's wgmma shared-memory matrix section): a tile of
+// kRows x kHeadDim 16-bit elements is stored as kHeadDim / 64 column blocks of 64 elements (128 bytes per
+// row), each block kRows rows of 128 bytes, one after the other:
+//     byte(row, col) = (col / 64) * kRows * 128 + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16 + (col % 8) * 2
+// i.e. inside every 8-row x 128-byte atom (1024 bytes, 1024-aligned) the 16-byte chunk index is XORed with
+// the row index: the 8 rows of one 16-byte column land in 8 different bank groups, so the 16-byte cp.async
+// stores, the epilogue's 4-byte stores and wgmma's reads are all conflict free, and the hardware undoes the
+// same XOR on the address bits [4:6] ^= [7:9] when it reads through a descriptor with the 128B swizzle mode.
+// The same layout serves both operand majors:
+//   K-major (Q and K in S = Q K^T: rows = M or N, 64-element blocks along K = head dim): 8-row groups are
+//     SBO = 1024 bytes apart; LBO is unused; k-step kk (16 elements = 32 bytes) starts at block kk / 4,
+//     byte (kk % 4) * 32.
+//   N-major (V in O = P V: rows = K = keys, 64-element blocks along N = head dim): 8-key groups are
+//     SBO = 1024 bytes apart, the 64-column blocks LBO = kRows * 128 bytes apart; k-step kk (16 keys) starts
+//     kk * 16 * 128 bytes in.
+#pragma once
+
+#include <cstdint>
+
+#include "utils.cuh"
+
+namespace flash {
+
+constexpr int kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes: tiles start at multiples of this
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kSwizzleBlockElems = 64;   // 16-bit elements per 128-byte row of one column block
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride
+// byte offsets (all >> 4, 14 bits each), base offset 0 (tiles are 1024-aligned), layout type 1 = 128B swizzle.
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
+           (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
+}
+// A descriptor moved by a byte offset inside the same 256 KB window: only the 14-bit address field changes,
+// and it cannot carry (shared memory is < 256 KB).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
+// wgmma.fence: orders this warpgroup's earlier register writes (accumulators rescaled, P packed) before the
+// wgmma that reads them. commit/wait: wgmma runs asynchronously until wait_group<N> leaves N groups in flight.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kInFlight>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kInFlight) : "memory");
+}
+// The compiler must not move accesses of an accumulator across an in-flight wgmma that owns it: an empty asm
+// that "reads and writes" every register pins them in program order (as CUTLASS's warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// cp.async and st.shared write through the generic proxy; wgmma reads shared memory through the async
+// proxy. Each writer fences its own writes before the barrier that publishes them.
+__device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Byte offset of the 16-byte chunk c (column c * 8) of row `row` in a swizzled tile of kRows rows.
+template <int kRows>
+__device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
+    return static_cast<uint32_t>((c / 8) * kRows * kSwizzleRowBytes + row * kSwizzleRowBytes + (((c % 8) ^ (row % 8)) * 16));
+}
+
+// cp.async a (kRows x kHeadDim) tile from global rows [0, valid_rows), columns [0, d) into the swizzled layout,
+// zero-filling the rest. Thread tid always copies chunk tid % kChunksPerRow of rows tid / kChunksPerRow + a
+// multiple of kRowsPerStep (a multiple of 8), so its swizzled chunk is fixed and only one pointer advances.
+template <int kRows, int kHeadDim, int kNThreads, typename Element>
+__device__ __forceinline__ void copy_tile_swizzled(uint32_t smem, const Element* gmem, int64_t row_stride, int valid_rows,
+                                                   int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
+    static_assert(kNThreads % kChunksPerRow == 0 && kRowsPerStep % 8 == 0 && kRows % kRowsPerStep == 0,
+                  "each thread copies one fixed chunk column of rows a multiple of 8 apart");
+    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
+    const int c = static_cast<int>(threadIdx.x) % kChunksPerRow;
+    const uint32_t dst = smem + swizzled_chunk_offset<kRows>(row0, c);
+    const Element* src = gmem + row0 * row_stride + c * 8;
+#pragma unroll
+    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
+        const bool pred = row0 + step * kRowsPerStep < valid_rows && c * 8 < d;
+        cp_async_16(dst + step * kRowsPerStep * kSwizzleRowBytes, pred ? src : gmem, pred);
+        src += kRowsPerStep * row_stride;
+    }
+}
+
+// Write rows [0, valid_rows), columns [0, d) of a swizzled (kRows x kHeadDim) tile to global memory, 16 bytes
+// per thread per step (each quarter-warp writes one 128-byte row segment).
+template <int kRows, int kHeadDim, int kNThreads, typename Element>
+__device__ __forceinline__ void store_tile_swizzled(Element* gmem, const unsigned char* smem, int64_t row_stride,
+                                                    int valid_rows, int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
+    static_assert(kNThreads % kChunksPerRow == 0 && kRows % kRowsPerStep == 0, "whole rows per step");
+    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
+    const int c = static_cast<int>(threadIdx.x) % kChunksPerRow;
+#pragma unroll
+    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
+        const int row = row0 + step * kRowsPerStep;
+        if (row < valid_rows && c * 8 < d) {
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + c * 8) =
+                *reinterpret_cast<const uint4*>(smem + swizzled_chunk_offset<kRows>(row, c));
+        }
+    }
+}
+
+}  // namespace flash
