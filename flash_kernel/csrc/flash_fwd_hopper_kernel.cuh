@@ -1,17 +1,21 @@
-// FlashAttention-2 forward (Algorithm 1) on Hopper: wgmma (sm_90a) instead of mma.sync.
+// FlashAttention-2 forward (Algorithm 1) on Hopper: wgmma (sm_90a) instead of mma.sync, warp-specialized.
 //
 // Same algorithm, masking and outputs as flash_fwd_kernel.cuh (which has the line-by-line Algorithm 1 text);
-// what changes is who does the matmuls and where their operands live:
+// what changes is who does the matmuls, where their operands live, and who loads them:
 //   - S = Q K^T: one warpgroup-wide wgmma per 16 columns of the head dim, both operands read by the tensor
 //     cores straight from the swizzled shared-memory tiles through descriptors (no ldmatrix, no fragment
 //     registers for Q or K), fp32 accumulators in registers: 64 query rows x kBlockN keys per warpgroup.
 //   - O += P V: P stays in registers (the accumulator layout of S is wgmma's register A layout, as with
-//     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's, not
-//     an ldmatrix.trans).
-//   - The two warpgroups of a block own 64 query rows each (split-Q, nothing exchanged), and the matmuls of
-//     one overlap the softmax of the other.
-// K/V tiles are double-buffered with cp.async issued by all threads; each writer fences its copies into
-// the async proxy (wgmma's view of shared memory) before the barrier that publishes the stage.
+//     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
+//   - K_j and V_j stream into kNStages stages each with cp.async issued by all threads; each stage has a
+//     "full" mbarrier (every thread's copies landed) and an "empty" one (both warpgroups are done reading
+//     it), so no block-wide barrier couples the warpgroups. After turn j a thread loads its share of
+//     K_{j+kNStages-1} into the stage K_{j-1} freed and of V_{j+kNStages-2} into the one V_{j-2} freed: both
+//     were released by the other warpgroup's previous turn, which the tensor cores finished before this one.
+//   - Ping-pong (FA3 paper, section 3.1): the two consumer warpgroups take turns to issue their matmuls
+//     (named barriers), so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
+//     Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait covers both and the
+//     softmax of S_j runs while the other warpgroup's pair is on the tensor cores.
 #pragma once
 
 #include <cmath>
@@ -23,6 +27,10 @@
 
 namespace flash {
 
+// Named barriers of the kernel (0 is __syncthreads, used once, after the mbarriers are initialised).
+constexpr int kBarTurnWg0 = 1;     // + wg: "warpgroup wg may issue its matmuls"
+constexpr int kBarEpilogue = 3;    // both consumer warpgroups wrote their O rows to shared memory
+
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     flash_fwd_hopper_kernel(const FwdParams params) {
@@ -31,7 +39,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
-    constexpr int kNThreads = Traits::kNThreads;
     constexpr int kNStages = Traits::kNStages;
     constexpr int kNTilesN = kBlockN / kMmaN;    // n8 column tiles of S per warp
     constexpr int kNTilesD = kHeadDim / kMmaN;   // n8 column tiles of O per warp
@@ -48,6 +55,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const uint32_t sQ = smem_addr(smem);
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
+    constexpr int kNThreads = Traits::kNThreads;
+    const uint32_t bars = sQ + Traits::kSmemTileBytes;                // [4][kNStages] mbarriers of 8 bytes
+    auto full_k = [&](int stage) { return bars + 8 * stage; };
+    auto full_v = [&](int stage) { return bars + 8 * (kNStages + stage); };
+    auto empty_k = [&](int stage) { return bars + 8 * (2 * kNStages + stage); };
+    auto empty_v = [&](int stage) { return bars + 8 * (3 * kNStages + stage); };
 
     // Causal: the query blocks with the most keys start first, so the last wave is made of short blocks.
     const int m_block = kIsCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
@@ -76,14 +89,44 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         return;
     }
 
-    // Q_i and K_0, V_0: one commit group.
-    copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d);
-    copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sK, k, params.k_row_stride, seqlen_k, params.d);
-    copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sV, v, params.v_row_stride, seqlen_k, params.d);
-    cp_async_commit();
+    if (tid == 0) {
+        for (int stage = 0; stage < kNStages; ++stage) {
+            mbarrier_init(full_k(stage), kNThreads);  // one noinc arrival per thread: its copies landed
+            mbarrier_init(full_v(stage), kNThreads);
+            mbarrier_init(empty_k(stage), kNThreads);  // one arrival per thread: its wgmmas read the stage
+            mbarrier_init(empty_v(stage), kNThreads);
+        }
+    }
+    __syncthreads();  // the only block-wide barrier
 
-    // Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this thread
-    // rows `my_row` and `my_row + 8` (g = lane / 4; columns 8j + 2t + {0, 1} of every n8 tile j).
+    // This thread's share of K tile j / V tile j into its stage, once both warpgroups released the tile that
+    // stage held kNStages tiles earlier.
+    auto load_k = [&](int n_block) {
+        const int stage = n_block % kNStages, key0 = n_block * kBlockN;
+        if (n_block >= kNStages) mbarrier_wait(empty_k(stage), (n_block / kNStages - 1) & 1);
+        copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sK + stage * Traits::kSmemKVTileBytes, k + key0 * params.k_row_stride,
+                                                         params.k_row_stride, seqlen_k - key0, params.d, tid);
+        cp_async_mbarrier_arrive(full_k(stage));
+    };
+    auto load_v = [&](int n_block) {
+        const int stage = n_block % kNStages, key0 = n_block * kBlockN;
+        if (n_block >= kNStages) mbarrier_wait(empty_v(stage), (n_block / kNStages - 1) & 1);
+        copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sV + stage * Traits::kSmemKVTileBytes, v + key0 * params.v_row_stride,
+                                                         params.v_row_stride, seqlen_k - key0, params.d, tid);
+        cp_async_mbarrier_arrive(full_v(stage));
+    };
+    // After turn j: K_{j+kNStages-1} and V_{j+kNStages-2}.
+    auto load_ahead = [&](int n_block) {
+        if (n_block + kNStages - 1 < n_block_max) load_k(n_block + kNStages - 1);
+        if (n_block + kNStages - 2 < n_block_max) load_v(n_block + kNStages - 2);
+    };
+    // Prologue: Q_i with K_0 (K_0's arrival covers both), K_1 .. K_{kNStages-2}, V_0 .. V_{kNStages-3}.
+    copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d, tid);
+    for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(j);
+    for (int j = 0; j < kNStages - 2 && j < n_block_max; ++j) load_v(j);
+
+    // Consumers. Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this
+    // thread rows `my_row` and `my_row + 8` (g = lane / 4; columns 8j + 2t + {0, 1} of every n8 tile j).
     const int wg = tid / kWarpgroupThreads;
     const int lane = tid % kWarpSize;
     const int g = lane / 4, t = lane % 4;
@@ -95,43 +138,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};  // this thread's partial sums, quad-reduced at the end
     const float scale_log2 = params.scale_softmax_log2;
+    float s[kBlockN / 2];           // S_j accumulators, then P_j = exp(S_j - m) in place
+    uint32_t p[kKStepsN][4];        // P_{j-1} as the register A operand of O += P V
 
     // K-major descriptors of this warpgroup's 64 Q rows; K and V descriptors are per stage.
     const uint64_t desc_q = make_smem_desc_sw128(sQ + wg * kWarpgroupRows * kSwizzleRowBytes, 16, kSwizzleAtomBytes);
-
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
-        const int stage = n_block % kNStages;
-        if (n_block + 1 < n_block_max) {
-            // Prefetch j+1 into the stage read kNStages - 1 iterations ago (see flash_fwd_kernel.cuh).
-            const int next = (n_block + 1) % kNStages;
-            const int key0 = (n_block + 1) * kBlockN;
-            copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sK + next * Traits::kSmemKVTileBytes,
-                                                             k + key0 * params.k_row_stride, params.k_row_stride,
-                                                             seqlen_k - key0, params.d);
-            copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sV + next * Traits::kSmemKVTileBytes,
-                                                             v + key0 * params.v_row_stride, params.v_row_stride,
-                                                             seqlen_k - key0, params.d);
-        }
-        cp_async_commit();  // possibly empty, so that wait<1> always means "stage j has landed"
-        cp_async_wait<1>();
-        fence_view_async_shared();
-        __syncthreads();
-
-        // S = Q_i K_j^T: kKStepsD wgmmas, K-major A and B.
+    auto issue_s = [&](int stage) {  // S = Q K_stage^T, kKStepsD wgmmas, K-major A and B
         const uint64_t desc_k = make_smem_desc_sw128(sK + stage * Traits::kSmemKVTileBytes, 16, kSwizzleAtomBytes);
-        float s[kBlockN / 2];
-        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
-            const uint32_t k_offset = (kk / 4) * kKVColBlockBytes + (kk % 4) * 32;
             Wgmma<Element, kBlockN>::template ss<0>(s, desc_advance(desc_q, (kk / 4) * kQColBlockBytes + (kk % 4) * 32),
-                                                    desc_advance(desc_k, k_offset), kk > 0);
+                                                    desc_advance(desc_k, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32), kk > 0);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(s);
-
-        // Masking only where the tile crosses the sequence end or (causal) the diagonal.
+    };
+    auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers, V N-major
+        const uint64_t desc_v = make_smem_desc_sw128(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, kSwizzleAtomBytes);
+#pragma unroll
+        for (int kk = 0; kk < kKStepsN; ++kk) {
+            Wgmma<Element, kHeadDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
+        }
+    };
+    // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
+    // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
+    auto softmax = [&](int n_block) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset)) {
 #pragma unroll
@@ -144,10 +173,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 }
             }
         }
-
-        // Online softmax in base 2 (flash_fwd_kernel.cuh); r = 0: row my_row, r = 1: row my_row + 8.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < 2; ++r) {  // r = 0: row my_row, r = 1: row my_row + 8
             float mx = row_max[r];
 #pragma unroll
             for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
@@ -168,25 +195,64 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 row_sum[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }
         }
-
-        // O += P V_j: the accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
-        uint32_t p[kKStepsN][4];
+        // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
 #pragma unroll
         for (int kk = 0; kk < kKStepsN; ++kk) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
         }
-        const uint64_t desc_v = make_smem_desc_sw128(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, kSwizzleAtomBytes);
+    };
+    // Ping-pong turns: warpgroup 0 goes first; every turn ends by handing the tensor cores to the other one.
+    // Both make n_block_max + 1 turns, so warpgroup 1 skips its last hand-over (nobody would take it).
+    const int my_turn = kBarTurnWg0 + wg, other_turn = kBarTurnWg0 + (1 - wg);
+    if (wg == 1) named_barrier_arrive(kBarTurnWg0, kNThreads);
+
+    // Turn 0: S_0.
+    mbarrier_wait(full_k(0), 0);
+    fence_view_async_shared();  // every thread's generic-proxy copies, seen through wgmma's async proxy
+    named_barrier_sync(my_turn, kNThreads);
+    wgmma_fence();
+    issue_s(0);
+    wgmma_commit();
+    named_barrier_arrive(other_turn, kNThreads);
+    wgmma_wait<0>();
+    pin_registers(s);
+    mbarrier_arrive(empty_k(0));
+    load_ahead(0);
+    softmax(0);
+
+    // Turn j: O += P_{j-1} V_{j-1} and S_j, then the softmax of S_j while the other warpgroup's turn runs.
+    for (int n_block = 1; n_block < n_block_max; ++n_block) {
+        const int stage = n_block % kNStages, prev = (n_block - 1) % kNStages;
+        mbarrier_wait(full_v(prev), ((n_block - 1) / kNStages) & 1);
+        mbarrier_wait(full_k(stage), (n_block / kNStages) & 1);
+        fence_view_async_shared();
+        named_barrier_sync(my_turn, kNThreads);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kKStepsN; ++kk) {
-            Wgmma<Element, kHeadDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
-        }
+        issue_pv(prev);
+        issue_s(stage);
         wgmma_commit();
+        named_barrier_arrive(other_turn, kNThreads);
         wgmma_wait<0>();
         pin_registers(acc_o);
-        if (kNStages == 2) __syncthreads();  // stage j is refilled by the prefetch of iteration j+1
+        pin_registers(s);
+        mbarrier_arrive(empty_v(prev));
+        mbarrier_arrive(empty_k(stage));
+        load_ahead(n_block);
+        softmax(n_block);
     }
+
+    // Last turn: O += P_last V_last.
+    const int last = (n_block_max - 1) % kNStages;
+    mbarrier_wait(full_v(last), ((n_block_max - 1) / kNStages) & 1);
+    fence_view_async_shared();
+    named_barrier_sync(my_turn, kNThreads);
+    wgmma_fence();
+    issue_pv(last);
+    wgmma_commit();
+    if (wg == 0) named_barrier_arrive(other_turn, kNThreads);
+    wgmma_wait<0>();
+    pin_registers(acc_o);
 
     // O = O / l, LSE = m * scale + log(l). O goes through this warpgroup's own rows of sQ (only its own wgmmas
     // read them, and they have completed), in the swizzled layout, so the global stores are 16-byte rows.
@@ -201,15 +267,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
 #pragma unroll
     for (int i = 0; i < kNTilesD; ++i) {
-        const int c = i, within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i, columns 8i + 2t, +1
+        const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds columns 8i..8i+7
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = my_row + 8 * r;
-            *reinterpret_cast<uint32_t*>(smem + swizzled_chunk_offset<kBlockM>(row, c) + within) =
+            *reinterpret_cast<uint32_t*>(smem + swizzled_chunk_offset<kBlockM>(row, i) + within) =
                 pack2<Element>(acc_o[4 * i + 2 * r] * inv_sum[r], acc_o[4 * i + 2 * r + 1] * inv_sum[r]);
         }
     }
-    __syncthreads();
+    named_barrier_sync(kBarEpilogue, kNThreads);
     store_tile_swizzled<kBlockM, kHeadDim, kNThreads>(o, smem, params.o_row_stride, valid_rows, params.d);
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_kernel_traits.h)

@@ -1,9 +1,10 @@
 // Tile shapes of the Hopper (sm_90a, wgmma) forward, per head dim (issue 5, stage 2).
 //
-// A thread block is two consumer warpgroups of 64 query rows each (kBlockM = 128): each warpgroup computes
-// its S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P
-// as the register A operand. K/V tiles of kBlockN keys are kNStages-buffered with cp.async by all threads.
-// Shared memory holds Q and the K/V stages in the 128B-swizzled layout of hopper_utils.cuh.
+// A thread block is two warpgroups of 64 query rows each (kBlockM = 128). Each computes its S = Q K^T
+// (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P as the register
+// A operand. K and V tiles of kBlockN keys stream into kNStages stages each with cp.async issued by all
+// threads, on full/empty mbarriers per stage. Shared memory holds Q and the K/V stages in the 128B-swizzled
+// layout of hopper_utils.cuh, then the mbarriers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,18 +26,22 @@ struct HopperFwdTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    // No producer warp: the launch bound of 256 threads leaves 255 registers per thread for S, O and P (~200);
+    // 288 threads would cap them at 168 (ptxas allocates for 384) and spill.
     static constexpr int kNWarpgroups = 2;
     static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
     static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
+    static constexpr int kSmemTileBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes;
+    static constexpr int kNMbarriers = 4 * kNStages;  // K full, V full, K empty, V empty, per stage
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
-    static constexpr int kSmemBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes + kSwizzleAtomBytes;
+    static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
-    static_assert(kNStages == 2 || kNStages == 3, "K/V are double or triple buffered");
+    static_assert(kNStages >= 2, "K_{j+kNStages-1} and V_{j+kNStages-2} load while turn j computes");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
 };
 
@@ -47,11 +52,11 @@ template <int kHeadDim, typename Element> struct HopperFwdConfig { static conste
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperFwdTraits<64, 128, 3, 1, E>;  // 2 blocks per SM (128 registers) spill 84 B
+    using Traits = HopperFwdTraits<64, 128, 3, 1, E>;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperFwdTraits<128, 128, 2, 1, E>;
+    using Traits = HopperFwdTraits<128, 128, 3, 1, E>;  // 225 KB of shared memory
 };
 #endif
 

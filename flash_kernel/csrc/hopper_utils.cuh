@@ -58,6 +58,34 @@ __device__ __forceinline__ void pin_registers(float (&r)[N]) {
 // proxy. Each writer fences its own writes before the barrier that publishes them.
 __device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// mbarriers (PTX ISA "mbarrier") in shared memory: the cp.async completions of the threads that load a
+// stage fill it (cp.async.mbarrier.arrive.noinc: one arrival per thread once all its earlier cp.async have
+// landed), the readers' arrivals empty it. A waiter names the phase parity it waits to see completed.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// Named barriers 1..15 (0 is __syncthreads): sync waits until `count` threads have synced or arrived;
+// arrive counts this thread without waiting (a signal from one warpgroup to another).
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Byte offset of the 16-byte chunk c (column c * 8) of row `row` in a swizzled tile of kRows rows.
 template <int kRows>
 __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
@@ -65,23 +93,22 @@ __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
 }
 
 // cp.async a (kRows x kHeadDim) tile from global rows [0, valid_rows), columns [0, d) into the swizzled layout,
-// zero-filling the rest. Thread tid always copies chunk tid % kChunksPerRow of rows tid / kChunksPerRow + a
-// multiple of kRowsPerStep (a multiple of 8), so its swizzled chunk is fixed and only one pointer advances.
+// zero-filling the rest, by kNThreads threads (thread = 0 .. kNThreads - 1). A thread always copies chunk
+// column thread % kChunksPerRow, of rows kRowsPerStep apart, so only one source pointer advances.
 template <int kRows, int kHeadDim, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile_swizzled(uint32_t smem, const Element* gmem, int64_t row_stride, int valid_rows,
-                                                   int d) {
+                                                   int d, int thread) {
     constexpr int kChunksPerRow = kHeadDim / 8;
     constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
-    static_assert(kNThreads % kChunksPerRow == 0 && kRowsPerStep % 8 == 0 && kRows % kRowsPerStep == 0,
-                  "each thread copies one fixed chunk column of rows a multiple of 8 apart");
-    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
-    const int c = static_cast<int>(threadIdx.x) % kChunksPerRow;
-    const uint32_t dst = smem + swizzled_chunk_offset<kRows>(row0, c);
+    static_assert(kNThreads % kChunksPerRow == 0 && kRows % kRowsPerStep == 0, "whole rows per step");
+    const int row0 = thread / kChunksPerRow;
+    const int c = thread % kChunksPerRow;
     const Element* src = gmem + row0 * row_stride + c * 8;
 #pragma unroll
     for (int step = 0; step < kRows / kRowsPerStep; ++step) {
-        const bool pred = row0 + step * kRowsPerStep < valid_rows && c * 8 < d;
-        cp_async_16(dst + step * kRowsPerStep * kSwizzleRowBytes, pred ? src : gmem, pred);
+        const int row = row0 + step * kRowsPerStep;
+        const bool pred = row < valid_rows && c * 8 < d;
+        cp_async_16(smem + swizzled_chunk_offset<kRows>(row, c), pred ? src : gmem, pred);
         src += kRowsPerStep * row_stride;
     }
 }
