@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
-# Issue 5 (stage 1) sweep: the head-dim-128 kernel variants of flash_kernel/csrc/kernel_traits.h
-# (FLASH_FWD_HD128_VARIANT / FLASH_BWD_HD128_VARIANT), each built, checked against the fp32 reference
-# and timed against SDPA's FLASH backend in the same process. One GPU call, about 5 minutes on an H100.
+# Issue 5 (stage 1) sweep: compile-time kernel variants of flash_kernel/csrc/kernel_traits.h
+# (FLASH_FWD_HD128_VARIANT, FLASH_BWD_HD128_VARIANT, FLASH_BWD_TILED_ALL), each built, checked against the
+# fp32 reference and timed against SDPA's FLASH backend in the same process, for the head dims in HDIMS.
+# One GPU call each (the v5 sweep, six variants at one head dim, took about 5 minutes on an H100):
 #
-#   bash bench/kernel_sweep.sh               # every variant below, v0 (the v4 kernels) first and last
-#   bash bench/kernel_sweep.sh v0 v3         # some of them
+#   bash bench/kernel_sweep.sh                       # a0 a1 a0b at hd64: v4's backward vs the tiled one
+#   HDIMS="32 96 256" bash bench/kernel_sweep.sh     # the same at the other head dims (a0b may not fit)
+#   HDIMS=128 bash bench/kernel_sweep.sh v0 v3 v0b   # the v5 sweep's head-dim-128 variants (by name)
 #
 # Per variant: (1) `python3 -m flash_kernel.build` with FLASH_KERNEL_NVCC_EXTRA naming the variant (sm 90
 # only; after the first build only the .cu files recompile); (2) flash_kernel.sanitize.check_case on the
-# hd128 cases below (odd lengths, Tq != Tk both ways, GQA, deterministic bitwise, strided qkv, d = 120);
-# a failing variant is reported as FAIL and not timed; (3) bench/kernel.py (triton do_bench medians) for
-# ours and sdpa_flash, hd128, causal and not, T = 2048 and 8192 (B = 16384 / T, H = 16), fwd, bwd and
-# fwd+bwd. Every step has its own timeout, clipped to the time left before SWEEP_DEADLINE_S, so the whole
-# sweep ends inside one 10-minute call; a variant that cannot start in time is reported as SKIPPED.
-# At the end the package holds the last variant's build (v4 with the default list, sm 90 only): run
-# `make build` afterwards for the default kernels (v5 = the v3 line below).
+# cases below for each head dim in HDIMS (odd lengths, Tq != Tk both ways, GQA, deterministic bitwise,
+# strided qkv, d = hd - 8); a failing variant is reported as FAIL and not timed; (3) bench/kernel.py
+# (triton do_bench medians) for ours and sdpa_flash, each head dim in HDIMS, causal and not, T = 2048 and
+# 8192 (B = 16384 / T, H = 2048 / hd), fwd, bwd and fwd+bwd. Every step has its own timeout, clipped to the
+# time left before SWEEP_DEADLINE_S, so the whole sweep ends inside one 10-minute call; a variant that cannot
+# start in time is reported as SKIPPED. "vs <first>" columns compare with the first variant that ran.
+# Builds are sm 90 without the "a": the sm80-path kernels only, so forward rows are the mma.sync forward.
+# At the end the package holds the last variant's build (sm 90 only): run `make build` afterwards for the
+# default kernels (the a1 line below).
 #
 # Output in ${OUT:-/tmp}/sweep: summary.md (the tables, also printed), results.json (every timing row),
 # logs.tgz (build / check / bench logs and per-variant JSON).
 #
-# Environment: PYTHON (python3), FLASH_KERNEL_ARCHS (90), MAX_JOBS (16), SWEEP_DEADLINE_S (560),
-# SWEEP_REP_MS (300), SWEEP_WARMUP_MS (25), SWEEP_SEQLENS ("2048 8192").
+# Environment: PYTHON (python3), FLASH_KERNEL_ARCHS (90), MAX_JOBS (16), HDIMS (64),
+# SWEEP_DEADLINE_S (560), SWEEP_REP_MS (300), SWEEP_WARMUP_MS (25), SWEEP_SEQLENS ("2048 8192").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,21 +34,27 @@ DEADLINE=${SWEEP_DEADLINE_S:-560}
 REP_MS=${SWEEP_REP_MS:-300}
 WARMUP_MS=${SWEEP_WARMUP_MS:-25}
 SEQLENS=${SWEEP_SEQLENS:-2048 8192}
+export HDIMS=${HDIMS:-64}
+NHD=$(wc -w <<<"$HDIMS")  # check and bench time grow with the head dims
 LOG=${OUT:-/tmp}/sweep
 WORK=$LOG/logs
 mkdir -p "$WORK"
 rm -f "$WORK"/* "$LOG"/summary.md "$LOG"/results.json "$LOG"/logs.tgz
 
-# name | fwd variant | bwd variant | what changes (kernel_traits.h and docs/kernel_notes.md "v5 candidates")
+# name | fwd hd128 variant | bwd hd128 variant | FLASH_BWD_TILED_ALL | what changes (kernel_traits.h;
+# docs/kernel_notes.md "v5 candidates" for v*, "v6 backward" for a*)
 VARIANTS="
-v0|0|0|v4 kernels (fwd 8 warps x 1 m16 tile, Bc 64, 3 stages; bwd 16 keys per warp)
-v1|1|1|fwd 4 warps x 2 tiles, 2 stages, 2 CTAs/SM; bwd stepped tile copies (spill 56 -> 20 B)
-v2|2|2|fwd 8 warps x 2 tiles (Br 256), 2 stages, 1 CTA/SM; bwd + dQ warps 2x4, dK after the barrier (168 ldmatrix)
-v3|1|3|v5, the default since: fwd = v1 (repeat); bwd FA2 tiling: P^T, dS^T via smem, 1 dO stage, 3 barriers (144 ldmatrix)
-v4|0|4|fwd = v0 (repeat); bwd stepped copies + dQ warps 2x4 only (176 ldmatrix)
-v0b|0|0|v4 kernels again: run-to-run drift
+v0|0|0|1|v4 kernels at hd128 (fwd 8 warps x 1 m16 tile, Bc 64, 3 stages; bwd 16 keys per warp)
+v1|1|1|1|hd128 fwd 4 warps x 2 tiles, 2 stages, 2 CTAs/SM; bwd stepped tile copies (spill 56 -> 20 B)
+v2|2|2|1|hd128 fwd 8 warps x 2 tiles (Br 256), 2 stages, 1 CTA/SM; bwd + dQ warps 2x4, dK after the barrier (168 ldmatrix)
+v3|1|3|1|v5 at hd128: fwd = v1 (repeat); bwd FA2 tiling: P^T, dS^T via smem, 1 dO stage, 3 barriers (144 ldmatrix)
+v4|0|4|1|hd128 fwd = v0 (repeat); bwd stepped copies + dQ warps 2x4 only (176 ldmatrix)
+v0b|0|0|1|v4 kernels at hd128 again: run-to-run drift
+a0|1|3|0|backward of hd 32/64/96/256 on v4's flash_bwd_kernel (the v5 build; hd128 identical in a0 and a1)
+a1|1|3|1|default: every head dim on flash_bwd_tiled_kernel with FA2's warp tiles (hd64: 144 instead of 176 ldmatrix)
+a0b|1|3|0|a0 again: run-to-run drift
 "
-wanted=" $* "
+wanted=" ${*:-a0 a1 a0b} "
 
 left() { echo $((DEADLINE - SECONDS)); }
 step() {  # step <limit s> <log name> <command...>: run with a timeout clipped to the deadline
@@ -63,8 +73,10 @@ step() {  # step <limit s> <log name> <command...>: run with a timeout clipped t
     return $rc
 }
 
-# The correctness gate: flash_kernel.sanitize.check_case on the hd128 cases; exit 1 on any failure.
-cat >"$WORK/check_hd128.py" <<'PY'
+# The correctness gate: flash_kernel.sanitize.check_case on these cases for each head dim in HDIMS; exit 1 on
+# any failure.
+cat >"$WORK/check.py" <<'PY'
+import os
 import sys
 
 import torch
@@ -73,22 +85,23 @@ from flash_kernel.sanitize import check_case
 
 bf, fp = torch.bfloat16, torch.float16
 cases = []
-for causal in (False, True):
+for d in map(int, os.environ["HDIMS"].split()):
+    for causal in (False, True):
+        cases += [
+            dict(b=2, tq=1023, tk=1023, h=4, h_k=4, d=d, dtype=bf, causal=causal),
+            dict(b=2, tq=113, tk=255, h=4, h_k=4, d=d, dtype=bf, causal=causal),
+            dict(b=2, tq=255, tk=113, h=4, h_k=4, d=d, dtype=bf, causal=causal),
+            dict(b=1, tq=2049, tk=2049, h=8, h_k=1, d=d, dtype=bf, causal=causal),
+            dict(b=2, tq=333, tk=517, h=4, h_k=2, d=d, dtype=bf, causal=causal, deterministic=True),
+            dict(b=2, tq=300, tk=300, h=6, h_k=2, d=d, dtype=bf, causal=causal, fused=True),
+        ]
     cases += [
-        dict(b=2, tq=1023, tk=1023, h=4, h_k=4, d=128, dtype=bf, causal=causal),
-        dict(b=2, tq=113, tk=255, h=4, h_k=4, d=128, dtype=bf, causal=causal),
-        dict(b=2, tq=255, tk=113, h=4, h_k=4, d=128, dtype=bf, causal=causal),
-        dict(b=1, tq=2049, tk=2049, h=8, h_k=1, d=128, dtype=bf, causal=causal),
-        dict(b=2, tq=333, tk=517, h=4, h_k=2, d=128, dtype=bf, causal=causal, deterministic=True),
-        dict(b=2, tq=300, tk=300, h=6, h_k=2, d=128, dtype=bf, causal=causal, fused=True),
+        dict(b=2, tq=1023, tk=1023, h=4, h_k=4, d=d, dtype=fp, causal=True),
+        dict(b=2, tq=1, tk=300, h=4, h_k=4, d=d, dtype=bf, causal=True),
+        dict(b=2, tq=255, tk=255, h=4, h_k=4, d=d - 8, dtype=bf, causal=True),  # hd's kernels, zero-filled columns
+        # 5 splits for 12 K/V blocks: each deterministic thread block walks several K/V blocks
+        dict(b=2, tq=700, tk=1500, h=16, h_k=4, d=d, dtype=bf, causal=True, deterministic=True),
     ]
-cases += [
-    dict(b=2, tq=1023, tk=1023, h=4, h_k=4, d=128, dtype=fp, causal=True),
-    dict(b=2, tq=1, tk=300, h=4, h_k=4, d=128, dtype=bf, causal=True),
-    dict(b=2, tq=255, tk=255, h=4, h_k=4, d=120, dtype=bf, causal=True),  # hd128 kernels, zero-filled columns
-    # 5 splits for 12 K/V blocks: each deterministic thread block walks several K/V blocks
-    dict(b=2, tq=700, tk=1500, h=16, h_k=4, d=128, dtype=bf, causal=True, deterministic=True),
-]
 ok = []
 for c in cases:
     try:
@@ -97,50 +110,50 @@ for c in cases:
         print(f"FAIL {c}: {type(e).__name__}: {e}", flush=True)
         ok.append(False)
 torch.cuda.synchronize()
-print(f"hd128 check: {sum(ok)}/{len(ok)} cases passed", flush=True)
+print(f"check (hd {os.environ['HDIMS']}): {sum(ok)}/{len(ok)} cases passed", flush=True)
 sys.exit(0 if all(ok) else 1)
 PY
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-echo "[sweep] sm $FLASH_KERNEL_ARCHS, MAX_JOBS=$MAX_JOBS, deadline ${DEADLINE} s, do_bench warmup ${WARMUP_MS} ms rep ${REP_MS} ms, T = $SEQLENS"
+echo "[sweep] sm $FLASH_KERNEL_ARCHS, MAX_JOBS=$MAX_JOBS, deadline ${DEADLINE} s, do_bench warmup ${WARMUP_MS} ms rep ${REP_MS} ms, hd = $HDIMS, T = $SEQLENS"
 
 : >"$WORK/status.tsv"
-while IFS='|' read -r name fv bv what; do
+while IFS='|' read -r name fv bv ta what; do
     [[ -z "$name" ]] && continue
-    [[ "$wanted" != "  " && "$wanted" != *" $name "* ]] && continue
-    extra="-DFLASH_FWD_HD128_VARIANT=$fv -DFLASH_BWD_HD128_VARIANT=$bv"
-    [[ "$fv$bv" == "13" ]] && extra=""  # the default build (v5), literally
-    echo "[sweep] === $name (fwd $fv, bwd $bv): $what; $(left) s left"
+    [[ "$wanted" != *" $name "* ]] && continue
+    extra="-DFLASH_FWD_HD128_VARIANT=$fv -DFLASH_BWD_HD128_VARIANT=$bv -DFLASH_BWD_TILED_ALL=$ta"
+    [[ "$fv$bv$ta" == "131" ]] && extra=""  # the default build, literally
+    echo "[sweep] === $name (fwd $fv, bwd $bv, tiled $ta): $what; $(left) s left"
     if (($(left) < 60)); then
-        printf '%s\t%s\t%s\tSKIPPED\t%s\n' "$name" "$fv" "$bv" "$what" >>"$WORK/status.tsv"
+        printf '%s\t%s\t%s\t%s\tSKIPPED\t%s\n' "$name" "$fv" "$bv" "$ta" "$what" >>"$WORK/status.tsv"
         continue
     fi
     if ! FLASH_KERNEL_NVCC_EXTRA="$extra" step 300 "build_$name" $PY -m flash_kernel.build --require --verbose; then
         tail -n 20 "$WORK/build_$name.log"
-        printf '%s\t%s\t%s\tBUILD-FAIL\t%s\n' "$name" "$fv" "$bv" "$what" >>"$WORK/status.tsv"
+        printf '%s\t%s\t%s\t%s\tBUILD-FAIL\t%s\n' "$name" "$fv" "$bv" "$ta" "$what" >>"$WORK/status.tsv"
         continue
     fi
     grep -E "built .* in" "$WORK/build_$name.log"
-    if ! step 150 "check_$name" $PY "$WORK/check_hd128.py"; then
+    if ! step $((150 * NHD)) "check_$name" $PY "$WORK/check.py"; then
         grep -E "^FAIL|cases passed" "$WORK/check_$name.log" | tail -n 12
-        printf '%s\t%s\t%s\tFAIL\t%s\n' "$name" "$fv" "$bv" "$what" >>"$WORK/status.tsv"
+        printf '%s\t%s\t%s\t%s\tFAIL\t%s\n' "$name" "$fv" "$bv" "$ta" "$what" >>"$WORK/status.tsv"
         continue
     fi
     tail -n 1 "$WORK/check_$name.log"
     # shellcheck disable=SC2086
-    step 200 "bench_$name" $PY bench/kernel.py --methods ours sdpa_flash --hdims 128 --causal 0 1 \
+    step $((200 * NHD)) "bench_$name" $PY bench/kernel.py --methods ours sdpa_flash --hdims $HDIMS --causal 0 1 \
         --seqlens $SEQLENS --modes fwd bwd fwd_bwd --warmup-ms "$WARMUP_MS" --rep-ms "$REP_MS" \
         --results "$WORK/bench_$name.json"
     rc=$?
     status=ok
     ((rc != 0)) && status="BENCH-EXIT-$rc"
-    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$fv" "$bv" "$status" "$what" >>"$WORK/status.tsv"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fv" "$bv" "$ta" "$status" "$what" >>"$WORK/status.tsv"
 done <<<"$VARIANTS"
 
-# One compact table: ours TFLOP/s (ours / FLASH in the same process) per case, and each variant's
-# geometric-mean speed against v0's for fwd and bwd.
-grep -h "spill" "$WORK"/build_*.log 2>/dev/null | grep "ILi128E" | sort | uniq -c >"$WORK/spills.txt"
+# One compact table per head dim: ours TFLOP/s (ours / FLASH in the same process) per case, and each
+# variant's geometric-mean speed against the first variant's for fwd, bwd and fwd+bwd.
+grep -h "spill" "$WORK"/build_*.log 2>/dev/null | grep -E "ILi(${HDIMS// /|})E" | sort | uniq -c >"$WORK/spills.txt"
 $PY - "$WORK" "$LOG" <<'PY'
 import json, math, os, sys
 
@@ -152,39 +165,44 @@ for name, *_ in status:
     if os.path.exists(path):
         rows += [dict(r, variant=name) for r in json.load(open(path))["results"]]
 json.dump(rows, open(os.path.join(out, "results.json"), "w"), indent=1)
-idx = {(r["variant"], r["method"], bool(r["causal"]), r["seqlen"], r["mode"]): r["tflops"] for r in rows if r["status"] == "ok"}
+idx = {(r["variant"], r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r["tflops"]
+       for r in rows if r["status"] == "ok"}
 seqlens = sorted({r["seqlen"] for r in rows})
 cases = [(mode, causal, t) for mode in ("fwd", "bwd", "fwd_bwd") for causal in (False, True) for t in seqlens]
+base = status[0][0] if status else None
 
 
-def vs_v0(variant, mode):  # geometric mean over causal x T of ours(variant) / ours(v0)
-    pairs = [(idx.get((variant, "ours", c, t, m)), idx.get(("v0", "ours", c, t, m))) for m, c, t in cases if m == mode]
+def vs_base(variant, hd, mode):  # geometric mean over causal x T of ours(variant) / ours(base)
+    pairs = [(idx.get((variant, "ours", hd, c, t, m)), idx.get((base, "ours", hd, c, t, m))) for m, c, t in cases if m == mode]
     pairs = [(x, b) for x, b in pairs if x and b]
     return math.exp(sum(math.log(x / b) for x, b in pairs) / len(pairs)) if pairs else None
 
 
-lines = ["## hd128 sweep: ours TFLOP/s (ours / SDPA-FLASH, same process); bf16, B*T = 16k, H = 16", ""]
-head = ["variant", "fwd,bwd", "check"] + [f"{m} {'c' if c else 'nc'} {t // 1024}k" for m, c, t in cases]
-head += ["fwd vs v0", "bwd vs v0", "fwd+bwd vs v0"]
-lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-for name, fv, bv, st, what in status:
-    cells = [name, f"{fv},{bv}", st]
+lines = []
+for hd in map(int, os.environ["HDIMS"].split()):
+    lines += [f"## hd{hd}: ours TFLOP/s (ours / SDPA-FLASH, same process); bf16, B*T = 16k, H = {2048 // hd}", ""]
+    head = ["variant", "fwd,bwd,tiled", "check"] + [f"{m} {'c' if c else 'nc'} {t // 1024}k" for m, c, t in cases]
+    head += [f"fwd vs {base}", f"bwd vs {base}", f"fwd+bwd vs {base}"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, fv, bv, ta, st, what in status:
+        cells = [name, f"{fv},{bv},{ta}", st]
+        for m, c, t in cases:
+            o, f = idx.get((name, "ours", hd, c, t, m)), idx.get((name, "sdpa_flash", hd, c, t, m))
+            cells.append("-" if o is None else f"{o:.0f} ({o / f:.2f})" if f else f"{o:.0f}")
+        cells += ["-" if g is None else f"{g:.3f}" for g in (vs_base(name, hd, m) for m in ("fwd", "bwd", "fwd_bwd"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    spread = []
     for m, c, t in cases:
-        o, f = idx.get((name, "ours", c, t, m)), idx.get((name, "sdpa_flash", c, t, m))
-        cells.append("-" if o is None else f"{o:.0f} ({o / f:.2f})" if f else f"{o:.0f}")
-    cells += ["-" if g is None else f"{g:.3f}" for g in (vs_v0(name, m) for m in ("fwd", "bwd", "fwd_bwd"))]
-    lines.append("| " + " | ".join(cells) + " |")
-lines += ["", "Variants:"] + [f"- {name} (fwd {fv}, bwd {bv}): {what}" for name, fv, bv, _, what in status]
-spread = []
-for m, c, t in cases:
-    v = [idx[k] for k in idx if k[1:] == ("sdpa_flash", c, t, m)]
-    if len(v) > 1:
-        spread.append(f"{m} {'c' if c else 'nc'} {t // 1024}k {min(v):.0f}-{max(v):.0f}")
-if spread:
-    lines += ["", "SDPA-FLASH across the variants' processes (noise): " + ", ".join(spread)]
+        v = [idx[k] for k in idx if k[1:] == ("sdpa_flash", hd, c, t, m)]
+        if len(v) > 1:
+            spread.append(f"{m} {'c' if c else 'nc'} {t // 1024}k {min(v):.0f}-{max(v):.0f}")
+    if spread:
+        lines += ["", "SDPA-FLASH across the variants' processes (noise): " + ", ".join(spread)]
+    lines.append("")
+lines += ["Variants:"] + [f"- {name} (fwd {fv}, bwd {bv}, tiled {ta}): {what}" for name, fv, bv, ta, _, what in status]
 spills = open(os.path.join(work, "spills.txt")).read().strip()
 if spills:
-    lines += ["", "ptxas spill warnings of the hd128 kernels (all builds, count x line):", "```", spills, "```"]
+    lines += ["", f"ptxas spill warnings of the hd {os.environ['HDIMS']} kernels (all builds, count x line):", "```", spills, "```"]
 text = "\n".join(lines)
 open(os.path.join(out, "summary.md"), "w").write(text + "\n")
 print(text)

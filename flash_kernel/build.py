@@ -3,7 +3,8 @@
 Compiles flash_kernel/csrc/*.cu + flash_api.cpp with torch.utils.cpp_extension (ninja, MAX_JOBS
 defaulting to the core count) into flash_kernel/_build/, then copies the shared object next to the
 package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. The kernels follow FA2
-(Dao, 2023) Algorithms 1 and 2; see csrc/flash_fwd_kernel.cuh and csrc/flash_bwd_kernel.cuh.
+(Dao, 2023) Algorithms 1 and 2; see csrc/flash_fwd_kernel.cuh (and its Hopper
+form, csrc/flash_fwd_hopper_kernel.cuh) and csrc/flash_bwd_common.cuh.
 
 Environment:
   FLASH_KERNEL_ARCHS   semicolon-separated SM versions, default "80;90a" (one -gencode each). "90a" (Hopper's

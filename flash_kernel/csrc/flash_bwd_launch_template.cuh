@@ -1,7 +1,8 @@
 // Launch of the three backward kernels for one (dtype, head dim); included by flash_bwd_hdim*.cu.
 #pragma once
 
-#include "flash_bwd_kernel.cuh"
+#include "flash_bwd_common.cuh"
+#include "flash_bwd_kernel.cuh"  // v4's kernel: FLASH_BWD_TILED_ALL=0 / FLASH_BWD_HD128_VARIANT=0 only
 #include "flash_bwd_tiled_kernel.cuh"
 #include "flash_launch.h"
 #include "static_switch.h"
@@ -23,7 +24,7 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
 
     // Alg. 2 lines 6-20: parallel over K/V blocks (or num_splits ordered workers), heads, batch.
     FLASH_RETURN_IF_ERROR(FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        auto kernel = [] {  // BwdVariantTraits (the v5 sweep) run the kernel with a configurable warp tiling
+        auto kernel = [] {  // BwdVariantTraits (every BwdConfig by default) run the tiled kernel
             if constexpr (Traits::kTiled) return &flash_bwd_tiled_kernel<Traits, kIsCausal>;
             else return &flash_bwd_kernel<Traits, kIsCausal>;
         }();

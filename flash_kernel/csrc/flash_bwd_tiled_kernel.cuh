@@ -1,15 +1,16 @@
-// FlashAttention-2 backward (Algorithm 2) with a configurable warp tiling: the v5 sweep (issue 5) for head
-// dim 128, selected by FLASH_BWD_HD128_VARIANT through BwdVariantTraits (kernel_traits.h). The committed
-// kernels run flash_bwd_kernel (flash_bwd_kernel.cuh, which has the algorithm text and line numbers cited
-// here); this one computes the same thing with the same masking, bounds and deterministic-mode rules.
+// FlashAttention-2 backward main kernel (Alg. 2 lines 6-20; the algorithm text and the line numbers cited
+// here are in flash_bwd_common.cuh) with a configurable warp tiling of each matmul phase, set per head dim
+// by BwdVariantTraits (kernel_traits.h). Same masking, bounds and deterministic-mode rules as the v4
+// flash_bwd_kernel, whose tiling is this kernel's kSdpWarpsQ = 1, !kDkFromSmem corner.
 //
-// Why: the committed backward reads ~94 KB of shared memory per warp per query block through ldmatrix for
-// 320 MMAs (14 FLOP/byte), i.e. it is bound by shared-memory bandwidth (128 B/clk/SM) before the tensor
-// cores. A warp tile of m x n rows/columns loads (m + n) / (m n) fragments per MMA, so squarer warp tiles
-// read less; the price is shared-memory round trips for P^T / dS^T and, with late loads, barriers.
+// Why: with one m16 tile of keys per warp the backward reads (hd128) ~94 KB of shared memory per warp per
+// query block through ldmatrix for 320 MMAs (14 FLOP/byte), i.e. it is bound by shared-memory bandwidth
+// (128 B/clk/SM) before the tensor cores. A warp tile of m x n rows/columns loads (m + n) / (m n) fragments
+// per MMA, so squarer warp tiles read less; the price is shared-memory round trips for P^T / dS^T and, with
+// late loads, barriers.
 #pragma once
 
-#include "flash_bwd_kernel.cuh"
+#include "flash_bwd_common.cuh"
 
 namespace flash {
 
@@ -30,7 +31,7 @@ __device__ __forceinline__ void store_acc_tile(Element* s, const float (&acc)[kM
     }
 }
 
-// Warp tiling (knobs in BwdVariantTraits). With kSdpWarpsQ = 1 and !kDkFromSmem it is the committed one:
+// Warp tiling (knobs in BwdVariantTraits). With kSdpWarpsQ = 1 and !kDkFromSmem it is v4's:
 // warp w owns keys [16w, 16w+16) for S^T, dP^T, dV and dK (P^T and dS^T stay in registers as A operands).
 // kSdpWarpsQ > 1 splits S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed
 // after the barrier; kDkFromSmem computes dK after the barrier from dS^T in shared memory, each with its
@@ -50,8 +51,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     constexpr int kKStepsD = kHeadDim / kMmaK;
     constexpr int kKStepsM = kBlockM / kMmaK;
     constexpr int kKStepsN = kBlockN / kMmaK;
-    constexpr bool kStepped = Traits::kSteppedCopy;
-    // S^T / dP^T warp tile: kSdpKTiles key m16 tiles x kSdpQCols queries (committed: 1 x kBlockM).
+    // S^T / dP^T warp tile: kSdpKTiles key m16 tiles x kSdpQCols queries (v4: 1 x kBlockM).
     constexpr int kSdpWarpsK = kNWarps / Traits::kSdpWarpsQ;
     constexpr int kSdpKTiles = kBlockN / (kMmaM * kSdpWarpsK);
     constexpr int kSdpQCols = kBlockM / Traits::kSdpWarpsQ;
@@ -117,15 +117,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     // Rows past Tq get L = +inf (so P = 0) and D = 0.
     auto load_q = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile<kStepped, kBlockM, kHeadDim, kStride, kNThreads>(sQ + stage * Traits::kSmemQTileElems,
-                                                                    q + row0 * params.q_row_stride, params.q_row_stride,
-                                                                    seqlen_q - row0, d);
+        copy_tile_async_row_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
+            sQ + stage * Traits::kSmemQTileElems, q + row0 * params.q_row_stride, params.q_row_stride, seqlen_q - row0, d);
     };
     auto load_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile<kStepped, kBlockM, kHeadDim, kStride, kNThreads>(sdO + stage * Traits::kSmemQTileElems,
-                                                                    dO + row0 * params.do_row_stride,
-                                                                    params.do_row_stride, seqlen_q - row0, d);
+        copy_tile_async_row_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
+            sdO + stage * Traits::kSmemQTileElems, dO + row0 * params.do_row_stride, params.do_row_stride, seqlen_q - row0, d);
     };
     auto load_lse_delta = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
@@ -165,10 +163,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
 
         // Alg. 2 lines 7-8.
-        copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sK, k + key0 * params.k_row_stride, params.k_row_stride,
-                                                                    valid_keys, d);
-        copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride, params.v_row_stride,
-                                                                    valid_keys, d);
+        copy_tile_async_row_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sK, k + key0 * params.k_row_stride,
+                                                                            params.k_row_stride, valid_keys, d);
+        copy_tile_async_row_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride,
+                                                                            params.v_row_stride, valid_keys, d);
         if (m_block_min < m_block_max) {
             load_q(m_block_min, 0);
             load_do(m_block_min, 0);

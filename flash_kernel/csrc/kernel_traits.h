@@ -57,11 +57,12 @@ struct FwdKernelTraits {
     static_assert(kSmemBytes <= kMaxSmemBytesSm80, "forward tiles must fit A100 shared memory");
 };
 
-// Backward (Alg. 2): a thread block owns kBlockN keys (one m16 tile of K/V rows per warp, so dK and
-// dV stay in that warp's registers), and walks the query blocks of kBlockM rows. S^T = K Q^T is
-// computed key-major so that P^T and dS^T are already in the A-operand layout of dV += P^T dO and
-// dK += dS^T Q. dS^T goes through shared memory for dQ = dS K, which kNWarps warps split as
-// kDqWarpsM (query m16 tiles) x kDqWarpsN (column groups of kDqCols).
+// Backward (Alg. 2): a thread block owns kBlockN = 16 kNWarps keys and walks the query blocks of kBlockM
+// rows. The warp tiling here is flash_bwd_kernel's (v4: one m16 tile of K/V rows per warp, so dK and dV
+// stay in that warp's registers); BwdVariantTraits below re-tiles the same block for
+// flash_bwd_tiled_kernel. S^T = K Q^T is computed key-major so that P^T and dS^T are already in the
+// A-operand layout of dV += P^T dO and dK += dS^T Q. dS^T goes through shared memory for dQ = dS K, which
+// kNWarps warps split as kDqWarpsM (query m16 tiles) x kDqWarpsN (column groups of kDqCols).
 // kColSplits > 1 (head dim 256): dK/dV/dQ columns are split over kColSplits thread blocks per K/V
 // block, each recomputing the full-width S^T and dP^T, so that a warp's dK/dV accumulators
 // (2 x kOutCols floats per thread) still fit in registers.
@@ -121,6 +122,12 @@ struct BwdKernelTraits {
 #ifndef FLASH_BWD_HD128_VARIANT
 #define FLASH_BWD_HD128_VARIANT 3
 #endif
+// Backward of head dims 32, 64, 96 and 256: 1 (default) = flash_bwd_tiled_kernel with FA2's sm80 warp tiling
+// (docs/kernel_notes.md, "v6 backward"); 0 = v4's flash_bwd_kernel configs, for one GPU comparison
+// (bench/kernel_sweep.sh) before flash_bwd_kernel is deleted.
+#ifndef FLASH_BWD_TILED_ALL
+#define FLASH_BWD_TILED_ALL 1
+#endif
 
 // Forward variant: the same tiles with copy_tile_async_stepped.
 template <typename Base>
@@ -142,7 +149,6 @@ struct BwdVariantTraits : Base {
     static constexpr int kDqWarpsN = Base::kNWarps / kDqWarpsM;
     static constexpr int kDqCols = Base::kOutCols / kDqWarpsN;
     static constexpr int kSmemPElems = kSdpWarpsQ > 1 ? Base::kSmemDsElems : 0;  // P^T tile
-    static constexpr bool kSteppedCopy = true;
     static constexpr int kSmemBytes =
         (2 * Base::kSmemKVElems + (Base::kNStages + kDoStages) * Base::kSmemQTileElems + Base::kSmemDsElems +
          kSmemPElems) * static_cast<int>(sizeof(Element)) +
@@ -167,9 +173,7 @@ struct BwdVariantTraits : Base {
 // Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
 // sweep). Forward: 128 query rows per block either as 4 warps x 2 m16 tiles (small head dims: each K/V
 // fragment feeds two MMAs) or 8 warps x 1 tile (head dim >= 96, where two tiles' accumulators would
-// spill); Q fragments stay in registers where they fit. Backward: 8 warps = 128 keys per block, and
-// the query block as large as the registers allow (a few bytes of spill at 64/128 measured faster than
-// the spill-free smaller blocks).
+// spill); Q fragments stay in registers where they fit. Backward: see BwdConfig below.
 //                                                                       hd   Br   Bc warps Q-regs minBlk stages
 template <int kHeadDim, typename Element> struct FwdConfig;
 template <typename E> struct FwdConfig<32, E>  { using Traits = FwdKernelTraits<32, 128, 64, 4, true, 2, 3, E>; };
@@ -189,12 +193,30 @@ template <typename E> struct FwdConfig<128, E> { using Traits = FwdSteppedTraits
 #endif
 template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<256, 64, 16, 4, false, 2, 2, E>; };
 
-//                                                                       hd   Br warps colSplits
+// Backward: BwdVariantTraits<BwdKernelTraits<hd, Br, warps, colSplits>, kSdpWarpsQ, kDqWarpsM, kDkFromSmem,
+// kDkvWarpsD, kDoStages>; Bc = 16 x warps keys. Warp tiles: FA2's sm80 choice per head dim (the atom
+// layouts of its Flash_bwd_kernel_traits for S/dP, dK/dV and dQ; one exception at 64); dO double-buffered
+// where that fits A100's 163 KB (not at 64 and 128). docs/kernel_notes.md ("v6 backward") has the ptxas
+// numbers and the reasoning.
+// Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone
+// 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
 template <int kHeadDim, typename Element> struct BwdConfig;
+#if FLASH_BWD_TILED_ALL
+//   hd 32: Br 128; S^T/dP^T warp 64 keys x 32 queries, dK/dV 32 keys x 16 cols, dQ 32 queries x 16 cols.
+template <typename E> struct BwdConfig<32, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<32, 128, 8, 1, E>, 4, 4, true, 2, 2>; };
+//   hd 64: Br 128; S^T/dP^T 32 keys x 64 queries, dK/dV 32 keys x 32 cols, dQ 32 queries x 32 cols. FA2
+//   splits S^T 2 x 4 (64 keys x 32 queries): the same ldmatrix count, but 20-36 B of spill on both archs
+//   here, against 16-28 B on sm_90 only for 4 x 2.
+template <typename E> struct BwdConfig<64, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>; };
+//   hd 96: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 48 cols, dQ 16 queries x 48 cols.
+template <typename E> struct BwdConfig<96, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<96, 64, 8, 1, E>, 2, 4, true, 2, 2>; };
+#else
+//   v4: flash_bwd_kernel                                                    hd   Br warps colSplits
 template <typename E> struct BwdConfig<32, E>  { using Traits = BwdKernelTraits<32, 64, 8, 1, E>; };
 template <typename E> struct BwdConfig<64, E>  { using Traits = BwdKernelTraits<64, 128, 8, 1, E>; };
 template <typename E> struct BwdConfig<96, E>  { using Traits = BwdKernelTraits<96, 32, 4, 1, E>; };
-// Variants: BwdVariantTraits<Base, kSdpWarpsQ, kDqWarpsM, kDkFromSmem, kDkvWarpsD, kDoStages>.
+#endif
+//   hd 128 (FLASH_BWD_HD128_VARIANT; 3 = v5): Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 x 64, dQ 32 x 32.
 #if FLASH_BWD_HD128_VARIANT == 0
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdKernelTraits<128, 64, 8, 1, E>; };
 #elif FLASH_BWD_HD128_VARIANT == 1
@@ -208,6 +230,12 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 #else
 #error "FLASH_BWD_HD128_VARIANT must be 0 to 4"
 #endif
+#if FLASH_BWD_TILED_ALL
+//   hd 256: Br 32, Bc 64 (4 warps), 2 column splits of 128; S^T/dP^T 32 keys x 16 queries, dK/dV 32 keys x
+//   64 cols (FA2's warp tiles), dQ 16 queries x 64 cols.
+template <typename E> struct BwdConfig<256, E> { using Traits = BwdVariantTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, true, 2, 2>; };
+#else
 template <typename E> struct BwdConfig<256, E> { using Traits = BwdKernelTraits<256, 32, 4, 2, E>; };
+#endif
 
 }  // namespace flash

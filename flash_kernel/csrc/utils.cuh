@@ -142,6 +142,33 @@ __device__ __forceinline__ void copy_tile_async_stepped(Element* smem, const Ele
     }
 }
 
+// copy_tile_async_stepped (one column and one source pointer per thread) for any thread count:
+// kNThreads / kChunksPerRow whole rows per step, the kNThreads % kChunksPerRow threads left over idle. For
+// head dim 96 (12 chunks per row: 4 of 256 threads idle), where copy_tile_async's hoisted offsets spill
+// 28-48 B in the 8-warp backward on sm_90; elsewhere it is the same loop as copy_tile_async_stepped.
+template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+__device__ __forceinline__ void copy_tile_async_row_stepped(Element* smem, const Element* gmem, int64_t row_stride,
+                                                            int valid_rows, int d) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
+    static_assert(kRowsPerStep > 0, "a step must cover at least one row");
+    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
+    const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
+    if (kNThreads % kChunksPerRow != 0 && row0 >= kRowsPerStep) return;  // a left-over thread
+    const uint32_t dst = smem_addr(smem + row0 * kSmemStride + col);
+    const Element* src = gmem + row0 * row_stride + col;
+#pragma unroll
+    for (int step = 0; step < ceil_div(kRows, kRowsPerStep); ++step) {
+        const int row = row0 + step * kRowsPerStep;
+        if (kRows % kRowsPerStep == 0 || row < kRows) {
+            const bool pred = row < valid_rows && col < d;
+            cp_async_16(dst + step * kRowsPerStep * kSmemStride * static_cast<uint32_t>(sizeof(Element)),
+                        pred ? src : gmem, pred);
+        }
+        src += kRowsPerStep * row_stride;
+    }
+}
+
 // kStepped picks copy_tile_async_stepped (the v5 variants) or copy_tile_async (the committed kernels).
 template <bool kStepped, int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile(Element* smem, const Element* gmem, int64_t row_stride, int valid_rows,
