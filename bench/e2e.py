@@ -31,7 +31,7 @@ import json
 import subprocess
 import sys
 import time
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 import torch
@@ -244,7 +244,9 @@ def table(rows: list[dict]) -> str:
         b = by_key.get((dev, "bare", model, T, B, attn, comp, gpus, strategy))
         one = by_key.get((dev, "pipeline", model, T, B, attn, comp, 1, "single"))
         ratio = scaling = "–"
-        if p and b and p["status"] == b["status"] == "ok":
+        # Only a pair measured by one invocation: a pipeline row re-measured later is not compared with an
+        # older bare loop (rows written before the "run" field have none, and pair as they were measured).
+        if p and b and p["status"] == b["status"] == "ok" and p.get("run") == b.get("run"):
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
         if gpus > 1 and p and one and p["status"] == one["status"] == "ok":
             scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
@@ -318,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
         if max(args.gpus) > torch.cuda.device_count():
             raise SystemExit(f"--gpus {max(args.gpus)} but this machine has {torch.cuda.device_count()} GPU(s)")
         device = torch.cuda.get_device_name()
-        meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat()}
+        meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat(),
+                "run": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # this invocation
         compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
         # naive last: an OOM leaves the allocator fragmented for whatever runs after it
         attentions = sorted(args.attentions, key=lambda a: a == "naive")

@@ -35,6 +35,14 @@ def test_table_ratio_oom_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_ratio_only_pairs_rows_of_one_run():
+    rows = [{**_row("pipeline", "flash", 190.0), "run": "b"}, {**_row("bare", "flash", 200.0), "run": "a"}]
+    flash_line = next(line for line in e2e.table(rows).splitlines() if "| flash |" in line)
+    assert "| 200 | – |" in flash_line  # the bare loop is shown, the cross-run ratio is not
+    rows[1]["run"] = "b"
+    assert "| 0.950 |" in next(line for line in e2e.table(rows).splitlines() if "| flash |" in line)
+
+
 def test_refuses_to_measure_without_gpu(tmp_path):
     pytest.importorskip("matplotlib")
     import torch
