@@ -1,4 +1,4 @@
-// FlashAttention-2 forward (Algorithm 1) on Hopper: wgmma (sm_90a) instead of mma.sync, warp-specialized.
+// FlashAttention-2 forward (Algorithm 1) on Hopper: wgmma (sm_90a) instead of mma.sync, two ping-pong warpgroups.
 //
 // Same algorithm, masking and outputs as flash_fwd_kernel.cuh (which has the line-by-line Algorithm 1 text);
 // what changes is who does the matmuls, where their operands live, and who loads them:
@@ -12,7 +12,7 @@
 //     it), so no block-wide barrier couples the warpgroups. After turn j a thread loads its share of
 //     K_{j+kNStages-1} into the stage K_{j-1} freed and of V_{j+kNStages-2} into the one V_{j-2} freed: both
 //     were released by the other warpgroup's previous turn, which the tensor cores finished before this one.
-//   - Ping-pong (FA3 paper, section 3.1): the two consumer warpgroups take turns to issue their matmuls
+//   - Ping-pong (FA3 paper, section 3.1): the two warpgroups take turns to issue their matmuls
 //     (named barriers), so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
 //     Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait covers both and the
 //     softmax of S_j runs while the other warpgroup's pair is on the tensor cores.
@@ -29,7 +29,7 @@ namespace flash {
 
 // Named barriers of the kernel (0 is __syncthreads, used once, after the mbarriers are initialised).
 constexpr int kBarTurnWg0 = 1;     // + wg: "warpgroup wg may issue its matmuls"
-constexpr int kBarEpilogue = 3;    // both consumer warpgroups wrote their O rows to shared memory
+constexpr int kBarEpilogue = 3;    // both warpgroups wrote their O rows to shared memory
 
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(j);
     for (int j = 0; j < kNStages - 2 && j < n_block_max; ++j) load_v(j);
 
-    // Consumers. Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this
+    // Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this
     // thread rows `my_row` and `my_row + 8` (g = lane / 4; columns 8j + 2t + {0, 1} of every n8 tile j).
     const int wg = tid / kWarpgroupThreads;
     const int lane = tid % kWarpSize;
