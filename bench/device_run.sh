@@ -9,8 +9,8 @@
 #
 # Stages chain: `bash bench/device_run.sh check && bash bench/device_run.sh kernel --methods ours sdpa_flash`.
 # Run nothing that asks git about the tree on the device: its copy carries the working tree, but its .git
-# can be an older commit's (a `git checkout`/`stash` there once silently put back a previous commit's sources). To run
-# without a file of the working tree, copy the committed version in explicitly before building.
+# can be an older commit's (a `git checkout`/`stash` there once silently put back a previous commit's
+# sources). To run without a file of the working tree, copy the committed version in before building.
 # Every step has its own time limit, so one that hangs costs its limit, not the allocation.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
