@@ -99,22 +99,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
     __syncthreads();  // the only block-wide barrier
 
-    // This thread's share of K tile j / V tile j into its stage, once both warpgroups released the tile that
-    // stage held kNStages tiles earlier.
-    auto load_k = [&](int n_block) {
+    // This thread's share of K or V tile j (gmem: key 0 of this head) into stage j % kNStages of `tiles`, once
+    // both warpgroups released the tile that stage held kNStages tiles earlier; `full` and `empty` are the
+    // operand's stage-0 mbarriers (8 bytes per stage).
+    auto load = [&](const Element* gmem, int64_t row_stride, uint32_t tiles, uint32_t full, uint32_t empty, int n_block) {
         const int stage = n_block % kNStages, key0 = n_block * kBlockN;
-        if (n_block >= kNStages) mbarrier_wait(empty_k(stage), (n_block / kNStages - 1) & 1);
-        copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sK + stage * Traits::kSmemKVTileBytes, k + key0 * params.k_row_stride,
-                                                         params.k_row_stride, seqlen_k - key0, params.d, tid);
-        cp_async_mbarrier_arrive(full_k(stage));
+        if (n_block >= kNStages) mbarrier_wait(empty + 8 * stage, (n_block / kNStages - 1) & 1);
+        copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(tiles + stage * Traits::kSmemKVTileBytes, gmem + key0 * row_stride,
+                                                         row_stride, seqlen_k - key0, params.d, tid);
+        cp_async_mbarrier_arrive(full + 8 * stage);
     };
-    auto load_v = [&](int n_block) {
-        const int stage = n_block % kNStages, key0 = n_block * kBlockN;
-        if (n_block >= kNStages) mbarrier_wait(empty_v(stage), (n_block / kNStages - 1) & 1);
-        copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sV + stage * Traits::kSmemKVTileBytes, v + key0 * params.v_row_stride,
-                                                         params.v_row_stride, seqlen_k - key0, params.d, tid);
-        cp_async_mbarrier_arrive(full_v(stage));
-    };
+    auto load_k = [&](int n_block) { load(k, params.k_row_stride, sK, full_k(0), empty_k(0), n_block); };
+    auto load_v = [&](int n_block) { load(v, params.v_row_stride, sV, full_v(0), empty_v(0), n_block); };
     // After turn j: K_{j+kNStages-1} and V_{j+kNStages-2}.
     auto load_ahead = [&](int n_block) {
         if (n_block + kNStages - 1 < n_block_max) load_k(n_block + kNStages - 1);
