@@ -30,6 +30,7 @@ import math
 import os
 import statistics
 import sys
+from unittest import mock
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -130,38 +131,18 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         from flash_kernel import flash_attn_func
 
         fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
-        if method == "ours_sm80":
-            context = lambda: _env("FLASH_KERNEL_FWD", "sm80")  # noqa: E731
+        if method == "ours_sm80":  # the kernel binding reads FLASH_KERNEL_FWD at every call
+            context = lambda: mock.patch.dict(os.environ, {"FLASH_KERNEL_FWD": "sm80"})  # noqa: E731
     else:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     return (q, k, v, do), fn, context
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """os.environ[name] = value inside (the kernel binding reads FLASH_KERNEL_FWD at every call)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-def fwd_kernel_name(method: str, head_dim: int) -> str:
-    """Which forward kernel a row of ours ran ("sm90a-wgmma" / "sm80-mma"); "" for PyTorch's methods."""
-    if method not in OURS:
-        return ""
+def fwd_kernel_name(head_dim: int) -> str:
+    """Which forward kernel ours runs here, under the method's context ("sm90a-wgmma" / "sm80-mma")."""
     from flash_kernel.interface import _load_C
 
-    name = lambda: _load_C().fwd_kernel_name(head_dim, torch.cuda.current_device())  # noqa: E731
-    if method == "ours_sm80":
-        with _env("FLASH_KERNEL_FWD", "sm80"):
-            return name()
-    return name()
+    return _load_C().fwd_kernel_name(head_dim, torch.cuda.current_device())
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -262,7 +243,8 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                         _free()
                         continue
                     if method in OURS:
-                        base["fwd_kernel"] = fwd_kernel_name(method, head_dim)
+                        with context():
+                            base["fwd_kernel"] = fwd_kernel_name(head_dim)
                     for mode in args.modes:
                         row = dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="")
                         try:
