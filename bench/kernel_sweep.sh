@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Issue 5 sweep: compile-time kernel variants of flash_kernel/csrc/kernel_traits.h and hopper_kernel_traits.h
-# (FLASH_FWD_HD128_VARIANT, FLASH_BWD_HD128_VARIANT, FLASH_BWD_TILED_ALL, FLASH_FWD_SM90_VARIANT), each built, checked against the
-# fp32 reference and timed against SDPA's FLASH backend in the same process, for the head dims in HDIMS.
-# One GPU call each (the v5 sweep, six variants at one head dim, took about 5 minutes on an H100):
+# Issue 5 sweep: compile-time kernel variants of flash_kernel/csrc/kernel_traits.h (FLASH_FWD_HD128_VARIANT,
+# FLASH_BWD_HD128_VARIANT), each built, checked against the fp32 reference and timed against SDPA's FLASH
+# backend in the same process, for the head dims in HDIMS. One GPU call each (the v5 sweep, six variants at
+# one head dim, took about 5 minutes on an H100):
 #
-#   bash bench/kernel_sweep.sh                       # a0 a1 a0b at hd64: v4's backward vs the tiled one
-#   HDIMS="32 96 256" bash bench/kernel_sweep.sh     # the same at the other head dims (a0b may not fit)
-#   HDIMS=128 bash bench/kernel_sweep.sh v0 v3 v0b   # the v5 sweep's head-dim-128 variants (by name)
-#   HDIMS="128 64" bash bench/kernel_sweep.sh h0 h1 h0b   # the Hopper forward: v6.2 against the v7 candidate
+#   bash bench/kernel_sweep.sh                       # v3 (the default build) v1 v2 v4 v3b at hd128
+#   bash bench/kernel_sweep.sh v3 v4 v3b             # some of them, by name (the first that runs is the baseline)
+#
+# The variants measured and deleted since (docs/kernel_notes.md): v4's backward kernel (v0, and a0/a0b
+# against the tiled backward at hd 32-256) and the Hopper forward's overlapped softmax (h1 against h0/h0b).
+# A new variant is a macro in the traits headers plus a line in VARIANTS below.
 #
 # Per variant: (1) `python3 -m flash_kernel.build` with FLASH_KERNEL_NVCC_EXTRA naming the variant (sm 90a
 # only; after the first build only the .cu files recompile); (2) flash_kernel.sanitize.check_case on the
@@ -17,14 +19,14 @@
 # 8192 (B = 16384 / T, H = 2048 / hd), fwd, bwd and fwd+bwd. Every step has its own timeout, clipped to the
 # time left before SWEEP_DEADLINE_S, so the whole sweep ends inside one 10-minute call; a variant that cannot
 # start in time is reported as SKIPPED. "vs <first>" columns compare with the first variant that ran.
-# Forward rows: the v* variants are sm80-forward variants, so they run with FLASH_KERNEL_FWD=sm80; the others
-# run the Hopper forward (the h* variants are its variants). At the end the package holds the last
-# variant's build (sm 90a only): run `make build` afterwards for the default kernels (a1 = h0 below).
+# Forward rows: the v* variants are sm80-forward variants, so they run with FLASH_KERNEL_FWD=sm80; any other
+# line would run the Hopper forward. At the end the package holds the last variant's build (sm 90a only):
+# run `make build` afterwards for the default kernels (v3 below).
 #
 # Output in ${OUT:-/tmp}/sweep: summary.md (the tables, also printed), results.json (every timing row),
 # logs.tgz (build / check / bench logs and per-variant JSON).
 #
-# Environment: PYTHON (python3), FLASH_KERNEL_ARCHS (90a), MAX_JOBS (16), HDIMS (64),
+# Environment: PYTHON (python3), FLASH_KERNEL_ARCHS (90a), MAX_JOBS (16), HDIMS (128),
 # SWEEP_DEADLINE_S (560), SWEEP_REP_MS (300), SWEEP_WARMUP_MS (25), SWEEP_SEQLENS ("2048 8192").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,31 +37,23 @@ DEADLINE=${SWEEP_DEADLINE_S:-560}
 REP_MS=${SWEEP_REP_MS:-300}
 WARMUP_MS=${SWEEP_WARMUP_MS:-25}
 SEQLENS=${SWEEP_SEQLENS:-2048 8192}
-export HDIMS=${HDIMS:-64}
+export HDIMS=${HDIMS:-128}
 NHD=$(wc -w <<<"$HDIMS")  # check and bench time grow with the head dims
 LOG=${OUT:-/tmp}/sweep
 WORK=$LOG/logs
 mkdir -p "$WORK"
 rm -f "$WORK"/* "$LOG"/summary.md "$LOG"/results.json "$LOG"/logs.tgz
 
-# name | fwd hd128 variant | bwd hd128 variant | FLASH_BWD_TILED_ALL | FLASH_FWD_SM90_VARIANT | what changes
-# (kernel_traits.h, hopper_kernel_traits.h; docs/kernel_notes.md "v5 candidates" for v*, "v6 backward" for a*,
-# "v7 candidate" for h*)
+# name | fwd hd128 variant | bwd hd128 variant | what changes (kernel_traits.h; docs/kernel_notes.md
+# "v5 candidates"). Variants run in this order; the first that runs is the baseline of the "vs" columns.
 VARIANTS="
-v0|0|0|1|0|v4 kernels at hd128 (fwd 8 warps x 1 m16 tile, Bc 64, 3 stages; bwd 16 keys per warp)
-v1|1|1|1|0|hd128 fwd 4 warps x 2 tiles, 2 stages, 2 CTAs/SM; bwd stepped tile copies (spill 56 -> 20 B)
-v2|2|2|1|0|hd128 fwd 8 warps x 2 tiles (Br 256), 2 stages, 1 CTA/SM; bwd + dQ warps 2x4, dK after the barrier (168 ldmatrix)
-v3|1|3|1|0|v5 at hd128: fwd = v1 (repeat); bwd FA2 tiling: P^T, dS^T via smem, 1 dO stage, 3 barriers (144 ldmatrix)
-v4|0|4|1|0|hd128 fwd = v0 (repeat); bwd stepped copies + dQ warps 2x4 only (176 ldmatrix)
-v0b|0|0|1|0|v4 kernels at hd128 again: run-to-run drift
-a0|1|3|0|0|backward of hd 32/64/96/256 on v4's flash_bwd_kernel (the v5 build; hd128 identical in a0 and a1)
-a1|1|3|1|0|default: every head dim on flash_bwd_tiled_kernel with FA2's warp tiles (hd64: 144 instead of 176 ldmatrix)
-a0b|1|3|0|0|a0 again: run-to-run drift
-h0|1|3|1|0|default (v6.2): the Hopper forward waits for P V and S together before the softmax
-h1|1|3|1|1|Hopper forward, the softmax of S_j overlapped with the warpgroup's own P_{j-1} V_{j-1}
-h0b|1|3|1|0|h0 again: run-to-run drift
+v3|1|3|default (v5 at hd128): fwd 4 warps x 2 tiles, 2 stages, 2 CTAs/SM; bwd FA2 tiling: P^T, dS^T via smem, 1 dO stage, 3 barriers (144 ldmatrix)
+v1|1|1|hd128 fwd = v3 (repeat); bwd v4's tiling with stepped tile copies (184 ldmatrix)
+v2|2|2|hd128 fwd 8 warps x 2 tiles (Br 256), 2 stages, 1 CTA/SM; bwd v1 + dQ warps 2x4, dK after the barrier (168 ldmatrix)
+v4|0|4|hd128 fwd v4's 8 warps x 1 m16 tile, Bc 64, 3 stages; bwd v1 + dQ warps 2x4 only (176 ldmatrix)
+v3b|1|3|v3 again: run-to-run drift
 "
-wanted=" ${*:-a0 a1 a0b} "
+wanted=" ${*:-v3 v1 v2 v4 v3b} "
 
 left() { echo $((DEADLINE - SECONDS)); }
 step() {  # step <limit s> <log name> <command...>: run with a timeout clipped to the deadline
@@ -124,27 +118,27 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 echo "[sweep] sm $FLASH_KERNEL_ARCHS, MAX_JOBS=$MAX_JOBS, deadline ${DEADLINE} s, do_bench warmup ${WARMUP_MS} ms rep ${REP_MS} ms, hd = $HDIMS, T = $SEQLENS"
 
 : >"$WORK/status.tsv"
-while IFS='|' read -r name fv bv ta hv what; do
+while IFS='|' read -r name fv bv what; do
     [[ -z "$name" ]] && continue
     [[ "$wanted" != *" $name "* ]] && continue
-    extra="-DFLASH_FWD_HD128_VARIANT=$fv -DFLASH_BWD_HD128_VARIANT=$bv -DFLASH_BWD_TILED_ALL=$ta -DFLASH_FWD_SM90_VARIANT=$hv"
-    [[ "$fv$bv$ta$hv" == "1310" ]] && extra=""  # the default build, literally
+    extra="-DFLASH_FWD_HD128_VARIANT=$fv -DFLASH_BWD_HD128_VARIANT=$bv"
+    [[ "$fv$bv" == "13" ]] && extra=""  # the default build, literally
     fwd_path=auto
     [[ "$name" == v* ]] && fwd_path=sm80  # the v* variants are variants of the sm80 forward
-    echo "[sweep] === $name (fwd $fv, bwd $bv, tiled $ta, sm90 fwd $hv, FLASH_KERNEL_FWD=$fwd_path): $what; $(left) s left"
+    echo "[sweep] === $name (fwd $fv, bwd $bv, FLASH_KERNEL_FWD=$fwd_path): $what; $(left) s left"
     if (($(left) < 60)); then
-        printf '%s\t%s\t%s\t%s\t%s\tSKIPPED\t%s\n' "$name" "$fv" "$bv" "$ta" "$hv" "$what" >>"$WORK/status.tsv"
+        printf '%s\t%s\t%s\tSKIPPED\t%s\n' "$name" "$fv" "$bv" "$what" >>"$WORK/status.tsv"
         continue
     fi
     if ! FLASH_KERNEL_NVCC_EXTRA="$extra" step 300 "build_$name" $PY -m flash_kernel.build --require --verbose; then
         tail -n 20 "$WORK/build_$name.log"
-        printf '%s\t%s\t%s\t%s\t%s\tBUILD-FAIL\t%s\n' "$name" "$fv" "$bv" "$ta" "$hv" "$what" >>"$WORK/status.tsv"
+        printf '%s\t%s\t%s\tBUILD-FAIL\t%s\n' "$name" "$fv" "$bv" "$what" >>"$WORK/status.tsv"
         continue
     fi
     grep -E "built .* in" "$WORK/build_$name.log"
     if ! FLASH_KERNEL_FWD=$fwd_path step $((150 * NHD)) "check_$name" $PY "$WORK/check.py"; then
         grep -E "^FAIL|cases passed" "$WORK/check_$name.log" | tail -n 12
-        printf '%s\t%s\t%s\t%s\t%s\tFAIL\t%s\n' "$name" "$fv" "$bv" "$ta" "$hv" "$what" >>"$WORK/status.tsv"
+        printf '%s\t%s\t%s\tFAIL\t%s\n' "$name" "$fv" "$bv" "$what" >>"$WORK/status.tsv"
         continue
     fi
     tail -n 1 "$WORK/check_$name.log"
@@ -155,7 +149,7 @@ while IFS='|' read -r name fv bv ta hv what; do
     rc=$?
     status=ok
     ((rc != 0)) && status="BENCH-EXIT-$rc"
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fv" "$bv" "$ta" "$hv" "$status" "$what" >>"$WORK/status.tsv"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$fv" "$bv" "$status" "$what" >>"$WORK/status.tsv"
 done <<<"$VARIANTS"
 
 # One compact table per head dim: ours TFLOP/s (ours / FLASH in the same process) per case, and each
@@ -188,11 +182,11 @@ def vs_base(variant, hd, mode):  # geometric mean over causal x T of ours(varian
 lines = []
 for hd in map(int, os.environ["HDIMS"].split()):
     lines += [f"## hd{hd}: ours TFLOP/s (ours / SDPA-FLASH, same process); bf16, B*T = 16k, H = {2048 // hd}", ""]
-    head = ["variant", "fwd,bwd,tiled,sm90", "check"] + [f"{m} {'c' if c else 'nc'} {t // 1024}k" for m, c, t in cases]
+    head = ["variant", "fwd,bwd", "check"] + [f"{m} {'c' if c else 'nc'} {t // 1024}k" for m, c, t in cases]
     head += [f"fwd vs {base}", f"bwd vs {base}", f"fwd+bwd vs {base}"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, fv, bv, ta, hv, st, what in status:
-        cells = [name, f"{fv},{bv},{ta},{hv}", st]
+    for name, fv, bv, st, what in status:
+        cells = [name, f"{fv},{bv}", st]
         for m, c, t in cases:
             o, f = idx.get((name, "ours", hd, c, t, m)), idx.get((name, "sdpa_flash", hd, c, t, m))
             cells.append("-" if o is None else f"{o:.0f} ({o / f:.2f})" if f else f"{o:.0f}")
@@ -206,7 +200,7 @@ for hd in map(int, os.environ["HDIMS"].split()):
     if spread:
         lines += ["", "SDPA-FLASH across the variants' processes (noise): " + ", ".join(spread)]
     lines.append("")
-lines += ["Variants:"] + [f"- {name} (fwd {fv}, bwd {bv}, tiled {ta}, sm90 fwd {hv}): {what}" for name, fv, bv, ta, hv, _, what in status]
+lines += ["Variants:"] + [f"- {name} (fwd {fv}, bwd {bv}): {what}" for name, fv, bv, _, what in status]
 spills = open(os.path.join(work, "spills.txt")).read().strip()
 if spills:
     lines += ["", f"ptxas spill warnings of the hd {os.environ['HDIMS']} kernels (all builds, count x line):", "```", spills, "```"]

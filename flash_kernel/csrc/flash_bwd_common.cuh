@@ -17,7 +17,7 @@
 //  19        write dK_j (times softmax_scale), dV_j
 //   -      dQ = softmax_scale * sum_splits(dq_accum) in the input dtype      -> bwd_convert_dq_kernel
 // The main kernel is flash_bwd_tiled_kernel (flash_bwd_tiled_kernel.cuh, warp tiling per head dim in
-// kernel_traits.h); flash_bwd_kernel (flash_bwd_kernel.cuh) is the v4 kernel kept for one comparison run.
+// kernel_traits.h).
 //
 // S^T and dP^T are computed key-major, so P^T and dS^T come out of the accumulators in the A-fragment
 // layout of lines 13 and 17 (straight from registers when a warp owns all queries of its keys, else

@@ -2,7 +2,6 @@
 #pragma once
 
 #include "flash_bwd_common.cuh"
-#include "flash_bwd_kernel.cuh"  // v4's kernel: FLASH_BWD_TILED_ALL=0 / FLASH_BWD_HD128_VARIANT=0 only
 #include "flash_bwd_tiled_kernel.cuh"
 #include "flash_launch.h"
 #include "static_switch.h"
@@ -24,10 +23,7 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
 
     // Alg. 2 lines 6-20: parallel over K/V blocks (or num_splits ordered workers), heads, batch.
     FLASH_RETURN_IF_ERROR(FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        auto kernel = [] {  // BwdVariantTraits (every BwdConfig by default) run the tiled kernel
-            if constexpr (Traits::kTiled) return &flash_bwd_tiled_kernel<Traits, kIsCausal>;
-            else return &flash_bwd_kernel<Traits, kIsCausal>;
-        }();
+        auto kernel = &flash_bwd_tiled_kernel<Traits, kIsCausal>;
         constexpr int kSmem = Traits::kSmemBytes;
         if (kSmem > kBwdDefaultSmemBytes) {
             FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));

@@ -1,7 +1,7 @@
 // FlashAttention-2 backward main kernel (Alg. 2 lines 6-20; the algorithm text and the line numbers cited
 // here are in flash_bwd_common.cuh) with a configurable warp tiling of each matmul phase, set per head dim
-// by BwdVariantTraits (kernel_traits.h). Same masking, bounds and deterministic-mode rules as the v4
-// flash_bwd_kernel, whose tiling is this kernel's kSdpWarpsQ = 1, !kDkFromSmem corner.
+// by BwdVariantTraits (kernel_traits.h). v4's flash_bwd_kernel (deleted in v6) had this kernel's masking,
+// bounds and deterministic-mode rules, and the tiling of its kSdpWarpsQ = 1, !kDkFromSmem corner.
 //
 // Why: with one m16 tile of keys per warp the backward reads (hd128) ~94 KB of shared memory per warp per
 // query block through ldmatrix for 320 MMAs (14 FLOP/byte), i.e. it is bound by shared-memory bandwidth

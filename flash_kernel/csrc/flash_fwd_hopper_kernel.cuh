@@ -154,10 +154,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             Wgmma<Element, kHeadDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
         }
     };
-    // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf):
-    // P_j = exp(S_j - m) in place in s, and the factor acc_o (every P V up to j - 1) must be rescaled by.
-    float correction[2];
-    auto softmax_scores = [&](int n_block) {
+    // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
+    // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
+    auto softmax = [&](int n_block) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset)) {
 #pragma unroll
@@ -177,9 +176,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
             mx = quad_max(mx);
             const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-            correction[r] = fast_exp2(row_max[r] * scale_log2 - max_scaled);
+            const float correction = fast_exp2(row_max[r] * scale_log2 - max_scaled);
             row_max[r] = mx;
-            row_sum[r] *= correction[r];
+            row_sum[r] *= correction;
+#pragma unroll
+            for (int i = 0; i < kNTilesD; ++i) {
+                acc_o[4 * i + 2 * r] *= correction;
+                acc_o[4 * i + 2 * r + 1] *= correction;
+            }
 #pragma unroll
             for (int i = 0; i < kNTilesN; ++i) {
                 s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], scale_log2, -max_scaled));
@@ -187,27 +191,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 row_sum[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }
         }
-    };
-    // acc_o *= correction, and P_j into the A-operand registers: the accumulators of S columns 16kk..16kk+15
-    // are the register A operand of k-step kk.
-    auto rescale_and_pack = [&]() {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-#pragma unroll
-            for (int i = 0; i < kNTilesD; ++i) {
-                acc_o[4 * i + 2 * r] *= correction[r];
-                acc_o[4 * i + 2 * r + 1] *= correction[r];
-            }
-        }
+        // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
 #pragma unroll
         for (int kk = 0; kk < kKStepsN; ++kk) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
         }
-    };
-    auto softmax = [&](int n_block) {
-        softmax_scores(n_block);
-        rescale_and_pack();
     };
     // Ping-pong turns: warpgroup 0 goes first; every turn ends by handing the tensor cores to the other one.
     // Both make n_block_max + 1 turns, so warpgroup 1 skips its last hand-over (nobody would take it).
@@ -236,34 +225,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         fence_view_async_shared();
         named_barrier_sync(my_turn, kNThreads);
         wgmma_fence();
-        if constexpr (Traits::kOverlapSoftmax) {
-            issue_s(stage);  // group 1
-            wgmma_commit();
-            issue_pv(prev);  // group 2
-            wgmma_commit();
-            named_barrier_arrive(other_turn, kNThreads);
-            wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still run, so acc_o and p stay untouched
-            pin_registers(s);
-            mbarrier_arrive(empty_k(stage));
-            softmax_scores(n_block);
-            wgmma_wait<0>();
-            pin_registers(acc_o);
-            mbarrier_arrive(empty_v(prev));
-            load_ahead(n_block);
-            rescale_and_pack();
-        } else {
-            issue_pv(prev);
-            issue_s(stage);
-            wgmma_commit();
-            named_barrier_arrive(other_turn, kNThreads);
-            wgmma_wait<0>();
-            pin_registers(acc_o);
-            pin_registers(s);
-            mbarrier_arrive(empty_v(prev));
-            mbarrier_arrive(empty_k(stage));
-            load_ahead(n_block);
-            softmax(n_block);
-        }
+        issue_pv(prev);
+        issue_s(stage);
+        wgmma_commit();
+        named_barrier_arrive(other_turn, kNThreads);
+        wgmma_wait<0>();
+        pin_registers(acc_o);
+        pin_registers(s);
+        mbarrier_arrive(empty_v(prev));
+        mbarrier_arrive(empty_k(stage));
+        load_ahead(n_block);
+        softmax(n_block);
     }
 
     // Last turn: O += P_last V_last.

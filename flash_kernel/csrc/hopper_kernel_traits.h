@@ -19,17 +19,6 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpgroupRows = 64;               // wgmma's M
 constexpr int kMaxSmemBytesSm90 = 227 * 1024;    // opt-in dynamic shared memory per block on H100/H200
 
-// Variants for the next measurement (issue 5; docs/kernel_notes.md, "v6 forward", "v7 candidate"), chosen at
-// compile time with FLASH_KERNEL_NVCC_EXTRA="-DFLASH_FWD_SM90_VARIANT=N":
-//   0 (default, v6.2): a turn issues O += P_{j-1} V_{j-1} and S_j as one wgmma group and waits for both
-//     before the softmax of S_j.
-//   1: S_j and P_{j-1} V_{j-1} as two groups, S_j first; the softmax of S_j (mask, max, exp2, sums) runs
-//     while P_{j-1} V_{j-1} is still on the tensor cores, and only the rescale of O and the packing of P_j
-//     wait for it (the FA3 paper's intra-warpgroup overlap, without a second S accumulator).
-#ifndef FLASH_FWD_SM90_VARIANT
-#define FLASH_FWD_SM90_VARIANT 0
-#endif
-
 template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_>
 struct HopperFwdTraits {
     using Element = Element_;
@@ -37,7 +26,6 @@ struct HopperFwdTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-    static constexpr bool kOverlapSoftmax = FLASH_FWD_SM90_VARIANT == 1;
     // No producer warp: the launch bound of 256 threads leaves 255 registers per thread for S, O and P (~200);
     // 288 threads would cap them at 168 (ptxas allocates for 384) and spill.
     static constexpr int kNWarpgroups = 2;
@@ -61,7 +49,6 @@ struct HopperFwdTraits {
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
 //                                                                           hd   Bc stages minBlk
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
-static_assert(FLASH_FWD_SM90_VARIANT == 0 || FLASH_FWD_SM90_VARIANT == 1, "FLASH_FWD_SM90_VARIANT must be 0 or 1");
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
     static constexpr bool kAvailable = true;

@@ -58,11 +58,9 @@ struct FwdKernelTraits {
 };
 
 // Backward (Alg. 2): a thread block owns kBlockN = 16 kNWarps keys and walks the query blocks of kBlockM
-// rows. The warp tiling here is flash_bwd_kernel's (v4: one m16 tile of K/V rows per warp, so dK and dV
-// stay in that warp's registers); BwdVariantTraits below re-tiles the same block for
-// flash_bwd_tiled_kernel. S^T = K Q^T is computed key-major so that P^T and dS^T are already in the
-// A-operand layout of dV += P^T dO and dK += dS^T Q. dS^T goes through shared memory for dQ = dS K, which
-// kNWarps warps split as kDqWarpsM (query m16 tiles) x kDqWarpsN (column groups of kDqCols).
+// rows. This is the block shape; BwdVariantTraits below sets how flash_bwd_tiled_kernel tiles its matmul
+// phases over the warps. S^T = K Q^T is computed key-major so that P^T and dS^T are already in the
+// A-operand layout of dV += P^T dO and dK += dS^T Q.
 // kColSplits > 1 (head dim 256): dK/dV/dQ columns are split over kColSplits thread blocks per K/V
 // block, each recomputing the full-width S^T and dP^T, so that a warp's dK/dV accumulators
 // (2 x kOutCols floats per thread) still fit in registers.
@@ -78,27 +76,16 @@ struct BwdKernelTraits {
     static constexpr int kNThreads = kNWarps * kWarpSize;
     static constexpr int kSmemStride = kHeadDim + kSmemPadElems;
     static constexpr int kSmemDsStride = kBlockM + kSmemPadElems;  // dS^T tile is kBlockN x kBlockM
-    static constexpr int kNStages = 2;                              // Q/dO/LSE/delta double buffering
-    static constexpr int kDqWarpsM = kBlockM / kMmaM;
-    static constexpr int kDqWarpsN = kNWarps / kDqWarpsM;
-    static constexpr int kDqCols = kOutCols / kDqWarpsN;
+    static constexpr int kNStages = 2;                              // Q/LSE/delta double buffering (dO: kDoStages)
     static constexpr int kSmemKVElems = kBlockN * kSmemStride;
     static constexpr int kSmemQTileElems = kBlockM * kSmemStride;
     static constexpr int kSmemDsElems = kBlockN * kSmemDsStride;
-    static constexpr int kSmemBytes =
-        (2 * kSmemKVElems + 2 * kNStages * kSmemQTileElems + kSmemDsElems) * static_cast<int>(sizeof(Element)) +
-        2 * kNStages * kBlockM * static_cast<int>(sizeof(float));  // LSE and delta rows
-    static constexpr bool kTiled = false;  // flash_bwd_kernel (BwdVariantTraits: flash_bwd_tiled_kernel)
 
     static_assert(kHeadDim % (2 * kMmaN) == 0, "head dim must be a multiple of 16: ldmatrix.x4 covers two n8 tiles");
     static_assert(kBlockM % (2 * kMmaN) == 0, "kBlockM must be a multiple of 16 (k16 steps of dV += P^T dO)");
-    static_assert(kNWarps % kDqWarpsM == 0, "dQ = dS K: the warps must tile the query rows evenly");
     static_assert(kHeadDim % kColSplits == 0 && kOutCols % (2 * kMmaN) == 0,
                   "column splits must leave a multiple of 16 output columns per thread block");
-    static_assert(kOutCols % kDqWarpsN == 0 && kDqCols % (2 * kMmaN) == 0,
-                  "dQ = dS K: each warp's column group must be a multiple of 16 (ldmatrix.x4.trans)");
     static_assert(kBlockM <= kNThreads, "one thread per query row loads LSE and delta");
-    static_assert(kSmemBytes <= kMaxSmemBytesSm80, "backward tiles must fit A100 shared memory");
 };
 
 // Head dim 128 configurations (issue 5), chosen at compile time; the defaults are v5, the sweep's winner
@@ -108,25 +95,20 @@ struct BwdKernelTraits {
 //                           1: 4 warps x 2 m16 tiles, Bc 64, 2 K/V stages (102 KB: 2 CTAs per H100 SM;
 //                              where 2 do not fit, e.g. A100's 164 KB, the launch falls back to 0)
 //                           2: 8 warps x 2 m16 tiles (Br 256), Bc 64, 2 K/V stages (136 KB: 1 CTA per SM)
-//   FLASH_BWD_HD128_VARIANT 0: v4, flash_bwd_kernel (16 keys per warp, dK/dV in registers)
-//                           1: committed tiling, stepped tile copies (fewer spilled address registers)
+//   FLASH_BWD_HD128_VARIANT 1: v4's tiling (16 keys per warp, dK/dV in registers, dQ warps 4 x 2) on
+//                              flash_bwd_tiled_kernel, whose stepped tile copies spill fewer address registers
 //                           2: + dQ warps 2 x 4 (32 queries x 32 cols) and dK += dS^T Q after the barrier,
 //                              dS^T from shared memory, warps 4 x 2 (32 keys x 64 cols)
 //                           3: FA2's sm80 tiling: S^T/dP^T warps 4 x 2 (32 keys x 32 queries), P^T and dS^T
 //                              through shared memory, dV and dK warps 4 x 2, dQ warps 2 x 4, one dO stage
 //                           4: 1 + dQ warps 2 x 4 only (attributes 2's gain between its two changes)
-// docs/kernel_notes.md ("v5 candidates", "v5") has the reasoning, ptxas numbers and timings of each.
+// docs/kernel_notes.md ("v5 candidates", "v5") has the reasoning, ptxas numbers and timings of each; v4's own
+// kernel (backward variant 0) was deleted after the v6 sweep.
 #ifndef FLASH_FWD_HD128_VARIANT
 #define FLASH_FWD_HD128_VARIANT 1
 #endif
 #ifndef FLASH_BWD_HD128_VARIANT
 #define FLASH_BWD_HD128_VARIANT 3
-#endif
-// Backward of head dims 32, 64, 96 and 256: 1 (default) = flash_bwd_tiled_kernel with FA2's sm80 warp tiling
-// (docs/kernel_notes.md, "v6 backward"); 0 = v4's flash_bwd_kernel configs, for one GPU comparison
-// (bench/kernel_sweep.sh) before flash_bwd_kernel is deleted.
-#ifndef FLASH_BWD_TILED_ALL
-#define FLASH_BWD_TILED_ALL 1
 #endif
 
 // Forward variant: the same tiles with copy_tile_async_stepped.
@@ -135,12 +117,11 @@ struct FwdSteppedTraits : Base {
     static constexpr bool kSteppedCopy = true;
 };
 
-// Backward variant: Base's block shape run by flash_bwd_tiled_kernel (flash_bwd_tiled_kernel.cuh), whose
-// warp tiling of the matmul phases is set here. Everything derived from a knob is re-derived here.
+// Backward: Base's block shape run by flash_bwd_tiled_kernel (flash_bwd_tiled_kernel.cuh), whose warp tiling
+// of the matmul phases is set here, with the dQ tiling and the shared-memory size that follow from it.
 template <typename Base, int kSdpWarpsQ_, int kDqWarpsM_, bool kDkFromSmem_, int kDkvWarpsD_, int kDoStages_>
 struct BwdVariantTraits : Base {
     using Element = typename Base::Element;
-    static constexpr bool kTiled = true;
     static constexpr int kSdpWarpsQ = kSdpWarpsQ_;    // S^T, dP^T: warps along queries (1: a warp owns all queries)
     static constexpr bool kDkFromSmem = kDkFromSmem_;  // dK += dS^T Q after the barrier, dS^T from shared memory
     static constexpr int kDkvWarpsD = kDkvWarpsD_;    // dK/dV from shared memory: warps along head-dim columns
@@ -201,7 +182,6 @@ template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<
 // Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone
 // 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
 template <int kHeadDim, typename Element> struct BwdConfig;
-#if FLASH_BWD_TILED_ALL
 //   hd 32: Br 128; S^T/dP^T warp 64 keys x 32 queries, dK/dV 32 keys x 16 cols, dQ 32 queries x 16 cols.
 template <typename E> struct BwdConfig<32, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<32, 128, 8, 1, E>, 4, 4, true, 2, 2>; };
 //   hd 64: Br 128; S^T/dP^T 32 keys x 64 queries, dK/dV 32 keys x 32 cols, dQ 32 queries x 32 cols. FA2
@@ -210,16 +190,8 @@ template <typename E> struct BwdConfig<32, E>  { using Traits = BwdVariantTraits
 template <typename E> struct BwdConfig<64, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>; };
 //   hd 96: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 48 cols, dQ 16 queries x 48 cols.
 template <typename E> struct BwdConfig<96, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<96, 64, 8, 1, E>, 2, 4, true, 2, 2>; };
-#else
-//   v4: flash_bwd_kernel                                                    hd   Br warps colSplits
-template <typename E> struct BwdConfig<32, E>  { using Traits = BwdKernelTraits<32, 64, 8, 1, E>; };
-template <typename E> struct BwdConfig<64, E>  { using Traits = BwdKernelTraits<64, 128, 8, 1, E>; };
-template <typename E> struct BwdConfig<96, E>  { using Traits = BwdKernelTraits<96, 32, 4, 1, E>; };
-#endif
 //   hd 128 (FLASH_BWD_HD128_VARIANT; 3 = v5): Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 x 64, dQ 32 x 32.
-#if FLASH_BWD_HD128_VARIANT == 0
-template <typename E> struct BwdConfig<128, E> { using Traits = BwdKernelTraits<128, 64, 8, 1, E>; };
-#elif FLASH_BWD_HD128_VARIANT == 1
+#if FLASH_BWD_HD128_VARIANT == 1
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 4, false, 1, 2>; };
 #elif FLASH_BWD_HD128_VARIANT == 2
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, true, 2, 2>; };
@@ -228,14 +200,10 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 #elif FLASH_BWD_HD128_VARIANT == 4
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, false, 1, 2>; };
 #else
-#error "FLASH_BWD_HD128_VARIANT must be 0 to 4"
+#error "FLASH_BWD_HD128_VARIANT must be 1 to 4"
 #endif
-#if FLASH_BWD_TILED_ALL
 //   hd 256: Br 32, Bc 64 (4 warps), 2 column splits of 128; S^T/dP^T 32 keys x 16 queries, dK/dV 32 keys x
 //   64 cols (FA2's warp tiles), dQ 16 queries x 64 cols.
 template <typename E> struct BwdConfig<256, E> { using Traits = BwdVariantTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, true, 2, 2>; };
-#else
-template <typename E> struct BwdConfig<256, E> { using Traits = BwdKernelTraits<256, 32, 4, 2, E>; };
-#endif
 
 }  // namespace flash
