@@ -55,9 +55,9 @@ LABELS = {
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_efficient": "SDPA EFFICIENT",
     "ours": "ours (flash_kernel)",
-    "ours_sm80": "ours, sm80 forward",
+    "ours_sm80": "ours, sm80 kernels",
 }
-OURS = ("ours", "ours_sm80")  # ours_sm80: FLASH_KERNEL_FWD=sm80, the mma.sync forward a Hopper GPU can also run
+OURS = ("ours", "ours_sm80")  # ours_sm80: FLASH_KERNEL_FWD=FLASH_KERNEL_BWD=sm80, the mma.sync kernels a Hopper GPU can also run
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
 GIB = 1024**3
@@ -131,18 +131,19 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         from flash_kernel import flash_attn_func
 
         fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
-        if method == "ours_sm80":  # the kernel binding reads FLASH_KERNEL_FWD at every call
-            context = lambda: mock.patch.dict(os.environ, {"FLASH_KERNEL_FWD": "sm80"})  # noqa: E731
+        if method == "ours_sm80":  # the kernel binding reads FLASH_KERNEL_FWD / _BWD at every call
+            context = lambda: mock.patch.dict(os.environ, {"FLASH_KERNEL_FWD": "sm80", "FLASH_KERNEL_BWD": "sm80"})  # noqa: E731
     else:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     return (q, k, v, do), fn, context
 
 
-def fwd_kernel_name(head_dim: int) -> str:
-    """Which forward kernel ours runs here, under the method's context ("sm90a-wgmma" / "sm80-mma")."""
+def kernel_names(head_dim: int) -> dict:
+    """Which forward and backward kernels ours runs here, under the method's context ("sm90a-wgmma" / "sm80-mma")."""
     from flash_kernel.interface import _load_C
 
-    return _load_C().fwd_kernel_name(head_dim, torch.cuda.current_device())
+    C, device = _load_C(), torch.cuda.current_device()
+    return dict(fwd_kernel=C.fwd_kernel_name(head_dim, device), bwd_kernel=C.bwd_kernel_name(head_dim, device, False))
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -244,7 +245,7 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                         continue
                     if method in OURS:
                         with context():
-                            base["fwd_kernel"] = fwd_kernel_name(head_dim)
+                            base.update(kernel_names(head_dim))
                     for mode in args.modes:
                         row = dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="")
                         try:

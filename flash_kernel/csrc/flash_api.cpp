@@ -88,17 +88,19 @@ Sizes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     return s;
 }
 
-// The forward a Hopper GPU runs: "auto" (default) = the sm_90a wgmma kernel where one is built for the head
-// dim, "sm80" = the mma.sync kernel every sm80+ GPU runs (tests and benchmarks compare the two).
-// Environment variable FLASH_KERNEL_FWD, read at every call.
-bool sm90_forward_allowed(int device_index) {
-    const char* env = std::getenv("FLASH_KERNEL_FWD");
+// The kernels a Hopper GPU runs, per pass: "auto" (default) = the sm_90a wgmma kernel where one is built for
+// the head dim, "sm80" = the mma.sync kernel every sm80+ GPU runs (tests and benchmarks compare the two).
+// Environment variables FLASH_KERNEL_FWD and FLASH_KERNEL_BWD, read at every call.
+bool sm90_allowed(const char* variable, const char* pass, int device_index) {
+    const char* env = std::getenv(variable);
     const std::string choice = env == nullptr ? "" : env;
-    TORCH_CHECK(choice.empty() || choice == "auto" || choice == "sm80", "flash_kernel: FLASH_KERNEL_FWD=", choice,
-                " is not a forward path; use auto (the default) or sm80");
+    TORCH_CHECK(choice.empty() || choice == "auto" || choice == "sm80", "flash_kernel: ", variable, "=", choice,
+                " is not a ", pass, " path; use auto (the default) or sm80");
     const auto* prop = at::cuda::getDeviceProperties(device_index);
     return prop->major == 9 && prop->minor == 0 && choice != "sm80";
 }
+bool sm90_forward_allowed(int device_index) { return sm90_allowed("FLASH_KERNEL_FWD", "forward", device_index); }
+bool sm90_backward_allowed(int device_index) { return sm90_allowed("FLASH_KERNEL_BWD", "backward", device_index); }
 
 void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
@@ -126,10 +128,16 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.use_sm90 = sm90_forward_allowed(q.device().index());
 }
 
-// Which forward kernel runs for this head dim on this device (benchmark labels, tests).
+// Which forward / backward main kernel runs for this head dim on this device (benchmark labels, tests).
 std::string fwd_kernel_name(int64_t head_dim, int64_t device_index) {
     const int d_rounded = flash::round_head_dim(static_cast<int>(head_dim));
     const bool sm90 = sm90_forward_allowed(static_cast<int>(device_index)) && flash::hopper_fwd_built(d_rounded);
+    return sm90 ? "sm90a-wgmma" : "sm80-mma";
+}
+std::string bwd_kernel_name(int64_t head_dim, int64_t device_index, bool deterministic) {
+    const int d_rounded = flash::round_head_dim(static_cast<int>(head_dim));
+    const bool sm90 = sm90_backward_allowed(static_cast<int>(device_index)) && flash::hopper_bwd_built(d_rounded) &&
+                      !deterministic;  // the ordered dq_accum splits are the sm80 kernel's
     return sm90 ? "sm90a-wgmma" : "sm80-mma";
 }
 
@@ -194,6 +202,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
     flash::BwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
+    p.use_sm90 = sm90_backward_allowed(q.device().index());
     p.do_ptr = dout.data_ptr();
     p.dq_ptr = dq.data_ptr();
     p.dk_ptr = dk_expanded.data_ptr();
@@ -225,7 +234,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "FlashAttention-2 forward/backward CUDA kernels (mma.sync on sm80+, wgmma forward on sm90a); see flash_kernel/csrc";
+    m.doc() = "FlashAttention-2 forward/backward CUDA kernels (mma.sync on sm80+, wgmma on sm90a); see flash_kernel/csrc";
     m.def("fwd", &fwd, "FlashAttention-2 forward into caller-allocated o and lse", py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
     m.def("bwd", &bwd, "FlashAttention-2 backward into caller-allocated dq, dk, dv", py::arg("dout"), py::arg("q"),
@@ -234,4 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fwd_kernel_name", &fwd_kernel_name,
           "the forward kernel that runs for this head dim on this CUDA device: sm90a-wgmma or sm80-mma",
           py::arg("head_dim"), py::arg("device_index"));
+    m.def("bwd_kernel_name", &bwd_kernel_name,
+          "the backward main kernel that runs for this head dim on this CUDA device: sm90a-wgmma or sm80-mma",
+          py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "flash_bwd_common.cuh"
+#include "flash_bwd_hopper_kernel.cuh"
 #include "flash_bwd_tiled_kernel.cuh"
 #include "flash_launch.h"
 #include "static_switch.h"
@@ -11,18 +12,25 @@ namespace flash {
 constexpr int kBwdDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
 constexpr int kConvertMaxBlocks = 65535;          // the convert kernel is grid-stride beyond this
 
-template <typename Element, int kHeadDim>
-cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
-    using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
+// Alg. 2 lines 6-20 on sm_90a (flash_bwd_hopper_kernel.cuh): one thread block per (K/V block, head, batch).
+template <typename Traits>
+cudaError_t launch_bwd_hopper(const BwdParams& params, cudaStream_t stream) {
+    return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
+        auto kernel = &flash_bwd_hopper_kernel<Traits, kIsCausal>;
+        constexpr int kSmem = Traits::kSmemBytes;
+        FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        const dim3 grid(ceil_div(params.seqlen_k, Traits::kBlockN), params.h, params.b);
+        kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+        FLASH_LAUNCH_CHECK();
+        return cudaSuccess;
+    });
+}
 
-    // Alg. 2 line 4.
-    const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
-    const int64_t pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
-    bwd_preprocess_kernel<Element><<<static_cast<unsigned>(pre_blocks), kPreprocessWarps * kWarpSize, 0, stream>>>(params);
-    FLASH_LAUNCH_CHECK();
-
-    // Alg. 2 lines 6-20: parallel over K/V blocks (or num_splits ordered workers), heads, batch.
-    FLASH_RETURN_IF_ERROR(FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
+// Alg. 2 lines 6-20 on sm80+ (flash_bwd_tiled_kernel.cuh): parallel over K/V blocks (or num_splits ordered
+// workers), heads (times the column splits), batch.
+template <typename Traits>
+cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
+    return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
         auto kernel = &flash_bwd_tiled_kernel<Traits, kIsCausal>;
         constexpr int kSmem = Traits::kSmemBytes;
         if (kSmem > kBwdDefaultSmemBytes) {
@@ -34,7 +42,28 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
         kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
         FLASH_LAUNCH_CHECK();
         return cudaSuccess;
-    }));
+    });
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
+    // Alg. 2 line 4.
+    const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
+    const int64_t pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
+    bwd_preprocess_kernel<Element><<<static_cast<unsigned>(pre_blocks), kPreprocessWarps * kWarpSize, 0, stream>>>(params);
+    FLASH_LAUNCH_CHECK();
+
+    // Alg. 2 lines 6-20: the Hopper kernel where there is one (not for the ordered deterministic splits), else
+    // the sm80 kernel.
+    const cudaError_t main_err = [&]() -> cudaError_t {
+        if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
+            if (params.use_sm90 && !params.deterministic) {
+                return launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream);
+            }
+        }
+        return launch_bwd_sm80<typename BwdConfig<kHeadDim, Element>::Traits>(params, stream);
+    }();
+    FLASH_RETURN_IF_ERROR(main_err);
 
     // dQ = scale * sum_splits(dq_accum) -> input dtype.
     const int64_t vecs = rows * (params.d / kConvertVec);

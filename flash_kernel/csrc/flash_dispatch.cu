@@ -1,5 +1,6 @@
 // Runtime dtype / head-dim dispatch onto the explicit instantiations (flash_{fwd,bwd}_hdim*.cu).
 #include "flash_launch.h"
+#include "hopper_bwd_traits.h"
 #include "hopper_kernel_traits.h"
 #include "kernel_traits.h"
 #include "static_switch.h"
@@ -14,6 +15,10 @@ cudaError_t run_mha_fwd(const FwdParams& params, cudaStream_t stream) {
 
 bool hopper_fwd_built(int head_dim_rounded) {
     return FLASH_HEADDIM_SWITCH(head_dim_rounded, kHeadDim, [&] { return HopperFwdConfig<kHeadDim, __nv_bfloat16>::kAvailable; });
+}
+
+bool hopper_bwd_built(int head_dim_rounded) {
+    return FLASH_HEADDIM_SWITCH(head_dim_rounded, kHeadDim, [&] { return HopperBwdConfig<kHeadDim, __nv_bfloat16>::kAvailable; });
 }
 
 bool bwd_head_dim_supported(int head_dim_rounded) { return head_dim_rounded <= kMaxHeadDim; }

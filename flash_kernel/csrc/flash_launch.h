@@ -33,6 +33,7 @@ cudaError_t run_mha_fwd(const FwdParams& params, cudaStream_t stream);
 cudaError_t run_mha_bwd(const BwdParams& params, cudaStream_t stream);
 
 bool hopper_fwd_built(int head_dim_rounded);      // an sm_90a forward is compiled in for this head dim
+bool hopper_bwd_built(int head_dim_rounded);      // an sm_90a backward is compiled in for this head dim
 bool bwd_head_dim_supported(int head_dim_rounded);  // head dims with a backward instantiation
 int bwd_block_n(int head_dim_rounded);              // keys per backward thread block (sizes num_splits)
 

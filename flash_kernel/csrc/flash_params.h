@@ -37,8 +37,9 @@ struct FwdParams {
 
     bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
     bool is_bf16;    // else fp16
-    bool use_sm90;   // the device is sm_90 and the caller allows the Hopper forward (flash_api.cpp); head
-                     // dims without one (hopper_kernel_traits.h) run the sm80 kernel regardless
+    bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp:
+                     // FLASH_KERNEL_FWD / FLASH_KERNEL_BWD); head dims without one (hopper_kernel_traits.h,
+                     // hopper_bwd_traits.h) and the deterministic backward run the sm80 kernel regardless
 };
 
 struct BwdParams : public FwdParams {

@@ -24,6 +24,8 @@ HEADER = """\
 //   rs<kTransB>: A from four 32-bit registers (8 bf16/fp16), B from a descriptor
 // kTransB = 0: B is K-major (the K x N operand stored N rows of K contiguous elements, like K for Q K^T);
 // kTransB = 1: B is N-major (stored K rows of N contiguous elements, like V for P V).
+// kTransA (ss only) = 0: A is K-major (M rows of K contiguous elements, like Q); 1: A is M-major (stored K rows
+// of M contiguous elements, like dS^T for the backward's dQ = dS K).
 // scale_d = 0 ignores the old D (the first k-step of a fresh accumulator).
 #pragma once
 
@@ -52,9 +54,9 @@ def wrapper(elem: str, ptx: str, n: int) -> str:
     ss = (
         f'        asm volatile(\n'
         f'            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n_acc + 2}, 0;\\n"\n'
-        f'            "{shape} {{{regs(0, n_acc)}}}, %{n_acc}, %{n_acc + 1}, p, 1, 1, 0, %{n_acc + 3};\\n}}\\n"\n'
+        f'            "{shape} {{{regs(0, n_acc)}}}, %{n_acc}, %{n_acc + 1}, p, 1, 1, %{n_acc + 4}, %{n_acc + 3};\\n}}\\n"\n'
         f'            : {outputs(n_acc)}\n'
-        f'            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));\n'
+        f'            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB), "n"(kTransA));\n'
     )
     rs = (
         f'        asm volatile(\n'
@@ -65,7 +67,7 @@ def wrapper(elem: str, ptx: str, n: int) -> str:
     )
     return (
         f"template <> struct Wgmma<{elem}, {n}> {{\n"
-        f"    template <int kTransB>\n"
+        f"    template <int kTransB, int kTransA = 0>\n"
         f"    __device__ __forceinline__ static void ss(float (&d)[{n_acc}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{\n"
         f"{ss}"
         f"    }}\n"

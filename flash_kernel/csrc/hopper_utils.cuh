@@ -54,6 +54,15 @@ __device__ __forceinline__ void pin_registers(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// The register A operands of an rs wgmma are read asynchronously too: kept live (and unchanged) until the wait.
+template <int M, int N>
+__device__ __forceinline__ void pin_registers(uint32_t (&r)[M][N]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+    }
+}
 // cp.async and st.shared write through the generic proxy; wgmma reads shared memory through the async
 // proxy. Each writer fences its own writes before the barrier that publishes them.
 __device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

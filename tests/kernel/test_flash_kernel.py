@@ -156,41 +156,54 @@ def test_long_other_head_dims(dtype, D, causal):
     run_case(1, 2049, 2049, 4, 2, D, dtype, causal)
 
 
-# ----------------------------------------------------------------------- the two forward paths on Hopper
-# On an sm_90 GPU the grid above runs the wgmma forward (head dims 33-128); these keep the mma.sync
-# forward, which sm_90 users get with FLASH_KERNEL_FWD=sm80 and every other GPU gets always, tested there.
-def _fwd_kernel_name(D):
-    return _load_C().fwd_kernel_name(D, torch.cuda.current_device())
+# ------------------------------------------------------------------ the two kernel paths per pass on Hopper
+# On an sm_90 GPU the grid above runs the wgmma forward and backward (head dims 33-128); these keep the
+# mma.sync kernels, which sm_90 users get with FLASH_KERNEL_FWD=sm80 / FLASH_KERNEL_BWD=sm80 (and the
+# deterministic backward always) and every other GPU gets always, tested there.
+PASS_ENV = {"fwd": "FLASH_KERNEL_FWD", "bwd": "FLASH_KERNEL_BWD"}
+
+
+def _kernel_name(pass_, D, deterministic=False):
+    C, device = _load_C(), torch.cuda.current_device()
+    return C.fwd_kernel_name(D, device) if pass_ == "fwd" else C.bwd_kernel_name(D, device, deterministic)
 
 
 def _skip_unless_sm90():
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an sm_90 GPU (H100/H200): elsewhere the sm80 forward is the only one, tested above")
+        pytest.skip("needs an sm_90 GPU (H100/H200): elsewhere the sm80 kernels are the only ones, tested above")
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 @pytest.mark.parametrize("D", [40, 64, 120, 128])
-def test_hopper_forward_is_the_default_on_sm90(D):
+def test_hopper_kernels_are_the_default_on_sm90(pass_, D):
     _skip_unless_sm90()
-    assert _fwd_kernel_name(D) == "sm90a-wgmma"
-    assert _fwd_kernel_name(32) == _fwd_kernel_name(256) == "sm80-mma"  # head dims without a Hopper forward
+    assert _kernel_name(pass_, D) == "sm90a-wgmma"
+    assert _kernel_name(pass_, 32) == _kernel_name(pass_, 256) == "sm80-mma"  # head dims without a Hopper kernel
+    if pass_ == "bwd":
+        assert _kernel_name(pass_, D, deterministic=True) == "sm80-mma"  # ordered dq_accum splits: sm80 only
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 113), (113, 113), (255, 17), (1023, 3000), (2049, 2049)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_sm80_forward_on_sm90(monkeypatch, dtype, D, causal, seqlen_q, seqlen_k):
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_sm80_kernels_on_sm90(monkeypatch, pass_, dtype, D, causal, seqlen_q, seqlen_k):
     _skip_unless_sm90()
-    monkeypatch.setenv("FLASH_KERNEL_FWD", "sm80")
-    assert _fwd_kernel_name(D) == "sm80-mma"
+    monkeypatch.setenv(PASS_ENV[pass_], "sm80")
+    assert _kernel_name(pass_, D) == "sm80-mma"
     run_case(1, seqlen_q, seqlen_k, 4, 2, D, dtype, causal)
 
 
-def test_unknown_forward_path_is_refused(monkeypatch):
-    monkeypatch.setenv("FLASH_KERNEL_FWD", "wgmma")
-    q, k, v, _ = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="FLASH_KERNEL_FWD=wgmma is not a forward path; use auto"):
-        kernel_fwd(q, k, v, True, 0.125)
+@pytest.mark.parametrize("pass_,name", [("fwd", "forward"), ("bwd", "backward")])
+def test_unknown_kernel_path_is_refused(monkeypatch, pass_, name):
+    monkeypatch.setenv(PASS_ENV[pass_], "wgmma")
+    q, k, v, do = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"{PASS_ENV[pass_]}=wgmma is not a {name} path; use auto"):
+        if pass_ == "fwd":
+            kernel_fwd(q, k, v, True, 0.125)
+        else:
+            kernel_bwd(do, q, k, v, torch.zeros_like(q), torch.zeros(1, 2, 16, device="cuda"), True, 0.125)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 255), (255, 113)])

@@ -1,0 +1,319 @@
+// FlashAttention-2 backward main kernel (Alg. 2 lines 6-20, text in flash_bwd_common.cuh) on Hopper: every
+// matmul a wgmma (sm_90a), the operands read by the tensor cores from 128B-swizzled shared memory through
+// descriptors (hopper_utils.cuh), or from registers for P^T and dS^T. Same masking, bounds and outputs as
+// flash_bwd_tiled_kernel; the preprocess (D) and dQ-convert kernels around it are the same too.
+//
+// Per thread block: K_j, V_j (kBlockN = 128 keys); warpgroup wg owns keys [64 wg, 64 wg + 64). Per query block
+// i (64 queries, double-buffered with cp.async one block ahead):
+//   line 11  S^T  = K_wg Q_i^T        ss: A = K rows (K-major), B = Q_i (K-major)        64 x 64, registers
+//   line 14  dP^T = V_wg dO_i^T       ss: A = V rows (K-major), B = dO_i (K-major)       64 x 64, registers
+//            (one wgmma group each: the softmax recompute of P^T runs while dP^T is on the tensor cores)
+//   line 12  P^T  = exp2(S^T scale log2e - L_i log2e), masked
+//   line 15  dS^T = P^T o (dP^T - D_i)
+//   line 13  dV  += P^T dO_i           rs: A = P^T from registers, B = dO_i (N-major)      64 x hd
+//   line 17  dK  += dS^T Q_i           rs: A = dS^T from registers, B = Q_i (N-major)      64 x hd
+//            dS^T -> shared memory (swizzled, keys x queries); block barrier
+//   line 16  dQ_i += dS_i K_j          ss: A = dS^T read M-major (transposed by the instruction), B = K (N-major);
+//            each warpgroup 64 queries x kDqCols over kDqKeys keys (hopper_bwd_traits.h), staged in shared
+//            memory (fp32) and added into dq_accum with 16-byte atomics by iteration i+1 while its S^T and
+//            dP^T are on the tensor cores (or after the loop).
+// Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
+// as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
+// (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
+#pragma once
+
+#include <cmath>
+
+#include "flash_bwd_common.cuh"
+#include "hopper_bwd_traits.h"
+#include "utils.cuh"
+#include "wgmma.cuh"
+
+namespace flash {
+
+template <typename Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(const BwdParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Element = typename Traits::Element;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kNThreads = Traits::kNThreads;
+    constexpr int kNStages = Traits::kNStages;
+    constexpr int kNTilesM = kBlockM / kMmaN;    // n8 column tiles (queries) of S^T / dP^T per warp
+    constexpr int kNTilesD = kHeadDim / kMmaN;   // n8 column tiles of dK / dV per warp
+    constexpr int kNTilesDq = Traits::kDqCols / kMmaN;
+    constexpr int kKStepsD = kHeadDim / kMmaK;   // k16 steps of lines 11 and 14
+    constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
+    constexpr int kKStepsDq = Traits::kDqKeys / kMmaK;  // k16 steps of line 16 (keys)
+    constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
+    constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q_i or dO_i
+    constexpr uint32_t kKStepRowsBytes = kMmaK * kSwizzleRowBytes;     // 16 rows of an N- or M-major operand
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32_t pad = (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
+    unsigned char* smem = smem_raw + pad;
+    const uint32_t sK = smem_addr(smem);                            // [swizzled kBlockN x kHeadDim]
+    const uint32_t sV = sK + Traits::kSmemKVBytes;                  // [swizzled kBlockN x kHeadDim]
+    const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]
+    const uint32_t sdO = sQ + kNStages * Traits::kSmemQBytes;  // [kNStages][swizzled kBlockM x kHeadDim]
+    const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
+    unsigned char* sdS_ptr = smem + (sdS - sK);
+    float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM], L * log2e
+    float* sDelta = sLse + Traits::kNStages * kBlockM;                      // [kNStages][kBlockM]
+    float* sdQ = sDelta + Traits::kNStages * kBlockM;  // [kDqParts][kBlockM][kSdqStride]: fp32 dQ_i
+    constexpr int kSdqStride = Traits::kSdqStride;
+
+    const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int wg = tid / kWarpgroupThreads;
+    const int lane = tid % kWarpSize;
+    const int g = lane / 4, t = lane % 4;
+    // This thread's accumulator rows (keys of S^T, dP^T, dK, dV; queries of dQ): my_row and my_row + 8 of its
+    // warpgroup's 64, columns 8i + 2t + {0, 1} of every n8 tile i (wgmma.cuh).
+    const int wg_row = ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
+    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, d = params.d;
+    const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
+    const float scale_log2 = params.scale_softmax_log2;
+    const int bidh_k = bidh / params.h_h_k_ratio;
+    const int key0 = n_block * kBlockN;
+    const int valid_keys = min(kBlockN, seqlen_k - key0);
+
+    const Element* q = static_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
+    const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
+    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_k * params.k_head_stride +
+                       key0 * params.k_row_stride;
+    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_k * params.v_head_stride +
+                       key0 * params.v_row_stride;
+    const int64_t row_base = (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;  // into (B, Hq, Tq)
+    const float* lse = params.lse_ptr + row_base;
+    const float* delta = params.delta_ptr + row_base;
+    float* dq_accum = params.dq_accum_ptr + row_base * params.d_rounded;
+
+    const int m_block_max = ceil_div(seqlen_q, kBlockM);
+    // Causal: query blocks that end before the first query seeing key0 contribute nothing.
+    const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
+
+    // Alg. 2 line 10: Q_i, dO_i by cp.async into the swizzled layout; L_i (times log2e) and D_i by plain
+    // stores. Rows past Tq get L = +inf (so P = 0) and D = 0.
+    auto load_q_do = [&](int m_block, int stage) {
+        const int row0 = m_block * kBlockM;
+        copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sQ + stage * Traits::kSmemQBytes, q + row0 * params.q_row_stride,
+                                                         params.q_row_stride, seqlen_q - row0, d, tid);
+        copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sdO + stage * Traits::kSmemQBytes, dO + row0 * params.do_row_stride,
+                                                         params.do_row_stride, seqlen_q - row0, d, tid);
+        if (tid < kBlockM) {
+            const bool in = row0 + tid < seqlen_q;
+            sLse[stage * kBlockM + tid] = in ? lse[row0 + tid] * kLog2e : INFINITY;
+            sDelta[stage * kBlockM + tid] = in ? delta[row0 + tid] : 0.f;
+        }
+    };
+
+    // dQ of query block m_block, staged in sdQ (the warpgroups' partial tiles summed here), added into
+    // dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
+    // of a row). Against adding 8-byte atomics straight from the accumulators after the wait (v7.0), the
+    // backward gained 13-18% at hd128 and 31-48% at hd64 (docs/kernel_notes.md, "v7 backward").
+    auto flush_dq = [&](int m_block) {
+        constexpr int kVecsPerRow = kHeadDim / 4;
+        const int row0 = m_block * kBlockM;
+#pragma unroll
+        for (int step = 0; step < kBlockM * kVecsPerRow / kNThreads; ++step) {
+            const int idx = step * kNThreads + tid, row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * 4;
+            float4 val = *reinterpret_cast<const float4*>(sdQ + row * kSdqStride + col);
+#pragma unroll
+            for (int part = 1; part < Traits::kDqParts; ++part) {
+                const float4 x = *reinterpret_cast<const float4*>(sdQ + (part * kBlockM + row) * kSdqStride + col);
+                val.x += x.x; val.y += x.y; val.z += x.z; val.w += x.w;
+            }
+            if (row0 + row < seqlen_q && col < d) {
+                atomicAdd(reinterpret_cast<float4*>(dq_accum + static_cast<int64_t>(row0 + row) * params.d_rounded + col), val);
+            }
+        }
+    };
+
+    // Alg. 2 lines 7-8.
+    copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sK, k, params.k_row_stride, valid_keys, d, tid);
+    copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sV, v, params.v_row_stride, valid_keys, d, tid);
+    if (m_block_min < m_block_max) load_q_do(m_block_min, 0);
+    cp_async_commit();
+
+    float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+    // K-major descriptors of this warpgroup's 64 key rows of K and V (lines 11, 14); the dQ operands (line 16):
+    // dS^T rows (keys) and K rows from dq_key0, K's columns from dq_col0, both M-/N-major.
+    const uint32_t wg_rows_bytes = wg * kWarpgroupRows * kSwizzleRowBytes;
+    const uint64_t desc_k = make_smem_desc_sw128(sK + wg_rows_bytes, 16, kSwizzleAtomBytes);
+    const uint64_t desc_v = make_smem_desc_sw128(sV + wg_rows_bytes, 16, kSwizzleAtomBytes);
+    const uint32_t dq_key0_bytes = Traits::kDqSplitKeys ? wg_rows_bytes : 0;
+    const uint32_t dq_col0_bytes = Traits::kDqSplitKeys ? 0 : wg * (Traits::kDqCols / kSwizzleBlockElems) * kKVColBlockBytes;
+    const uint64_t desc_ds = make_smem_desc_sw128(sdS + dq_key0_bytes, kBlockN * kSwizzleRowBytes, kSwizzleAtomBytes);
+    const uint64_t desc_kt = make_smem_desc_sw128(sK + dq_col0_bytes + dq_key0_bytes, kKVColBlockBytes, kSwizzleAtomBytes);
+    const int dq_col0 = Traits::kDqSplitKeys ? 0 : wg * Traits::kDqCols;
+
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        const int stage = (m_block - m_block_min) % kNStages;
+        // Stage `stage` landed (this thread's copies, fenced for the async proxy, then everyone's); every
+        // wgmma of iteration i-1 completed before its end, so the other stage and sdS are free.
+        cp_async_wait<0>();
+        fence_view_async_shared();
+        __syncthreads();
+        if (m_block + 1 < m_block_max) load_q_do(m_block + 1, stage ^ 1);
+        cp_async_commit();
+
+        const uint32_t sQ_st = sQ + stage * Traits::kSmemQBytes, sdO_st = sdO + stage * Traits::kSmemQBytes;
+        const float* sLse_st = sLse + stage * kBlockM;
+        const float* sDelta_st = sDelta + stage * kBlockM;
+        const int query0 = m_block * kBlockM;
+
+        // Lines 11 and 14: S^T = K Q_i^T, dP^T = V dO_i^T, two groups.
+        float s[kBlockM / 2], dp[kBlockM / 2];
+        const uint64_t desc_q = make_smem_desc_sw128(sQ_st, 16, kSwizzleAtomBytes);
+        const uint64_t desc_do = make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKStepsD; ++kk) {
+            Wgmma<Element, kBlockM>::template ss<0>(s, desc_advance(desc_k, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
+                                                    desc_advance(desc_q, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < kKStepsD; ++kk) {
+            Wgmma<Element, kBlockM>::template ss<0>(dp, desc_advance(desc_v, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
+                                                    desc_advance(desc_do, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
+        }
+        wgmma_commit();
+
+        // Iteration i-1's dQ tile, staged in shared memory before this iteration's first barrier, goes out
+        // while S^T and dP^T are on the tensor cores.
+        if (m_block > m_block_min) flush_dq(m_block - 1);
+
+        // Line 12 while dP^T runs: mask keys past Tk (zero-filled K rows would give P = exp(-L), which can
+        // overflow) and, on diagonal blocks, keys a query may not see; then P^T = exp2(S^T scale log2e - L log2e).
+        wgmma_wait<1>();
+        pin_registers(s);
+        const int key_row = key0 + wg * kWarpgroupRows + wg_row;  // this thread's keys: key_row, key_row + 8
+        if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset)) {
+#pragma unroll
+            for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key_row + (e >= 2 ? 8 : 0);
+                    const int query = query0 + i * kMmaN + 2 * t + (e & 1);
+                    if (key >= seqlen_k || (kIsCausal && key > query + causal_offset)) s[4 * i + e] = -INFINITY;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -sLse_st[i * kMmaN + 2 * t + (e & 1)]));
+        }
+        // P^T as the register A operand of line 13 (the accumulators of query columns 16kk..16kk+15 are k-step
+        // kk), packed while dP^T may still run.
+        uint32_t p_frag[kKStepsM][4], ds_frag[kKStepsM][4];
+#pragma unroll
+        for (int kk = 0; kk < kKStepsM; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) p_frag[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        }
+        // Line 15: dS^T = P^T o (dP^T - D_i).
+        wgmma_wait<0>();
+        pin_registers(dp);
+#pragma unroll
+        for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - sDelta_st[i * kMmaN + 2 * t + (e & 1)]);
+        }
+        // dS^T as the register A operand of line 17, and into shared memory for line 16 (keys x queries;
+        // iteration i-1's dQ reads of sdS completed before this iteration's first barrier).
+#pragma unroll
+        for (int kk = 0; kk < kKStepsM; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) ds_frag[kk][r] = pack2<Element>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+        }
+        const int ds_row = wg * kWarpgroupRows + wg_row;
+#pragma unroll
+        for (int i = 0; i < kNTilesM; ++i) {
+            const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds queries 8i..8i+7
+            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(ds_row, i) + within) = ds_frag[i / 2][(i % 2) * 2];
+            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(ds_row + 8, i) + within) =
+                ds_frag[i / 2][(i % 2) * 2 + 1];
+        }
+
+        // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue).
+        const uint64_t desc_do_n = make_smem_desc_sw128(sdO_st, kQColBlockBytes, kSwizzleAtomBytes);
+        const uint64_t desc_q_n = make_smem_desc_sw128(sQ_st, kQColBlockBytes, kSwizzleAtomBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKStepsM; ++kk) {
+            Wgmma<Element, kHeadDim>::template rs<1>(acc_dv, p_frag[kk], desc_advance(desc_do_n, kk * kKStepRowsBytes), 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kKStepsM; ++kk) {
+            Wgmma<Element, kHeadDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
+        }
+        wgmma_commit();
+
+        // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K.
+        fence_view_async_shared();
+        __syncthreads();
+        float dq[Traits::kDqCols / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKStepsDq; ++kk) {
+            Wgmma<Element, Traits::kDqCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kKStepRowsBytes),
+                                                                desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dv);
+        pin_registers(acc_dk);
+        pin_registers(dq);
+        pin_registers(p_frag);
+        pin_registers(ds_frag);
+        // To this warpgroup's part of sdQ (every flush of iteration i-1's tile read it before this iteration's
+        // second barrier); flushed by the next iteration, or after the loop.
+        float* part = sdQ + (Traits::kDqSplitKeys ? wg : 0) * kBlockM * kSdqStride + dq_col0;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int i = 0; i < kNTilesDq; ++i) {
+                *reinterpret_cast<float2*>(part + (wg_row + 8 * r) * kSdqStride + i * kMmaN + 2 * t) =
+                    make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+            }
+        }
+    }
+
+    // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them
+    // completed), in the swizzled layout, then 16-byte rows to global memory.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (m_block_min < m_block_max) flush_dq(m_block_max - 1);  // the last query block's dQ
+    const int out_row = wg * kWarpgroupRows + wg_row;
+#pragma unroll
+    for (int i = 0; i < kNTilesD; ++i) {
+        const int within = 2 * t * static_cast<int>(sizeof(Element));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t off = swizzled_chunk_offset<kBlockN>(out_row + 8 * r, i) + within;
+            *reinterpret_cast<uint32_t*>(smem + off) =
+                pack2<Element>(acc_dk[4 * i + 2 * r] * params.scale_softmax, acc_dk[4 * i + 2 * r + 1] * params.scale_softmax);
+            *reinterpret_cast<uint32_t*>(smem + Traits::kSmemKVBytes + off) =
+                pack2<Element>(acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
+        }
+    }
+    __syncthreads();
+    Element* dk = static_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh * params.dk_head_stride +
+                  key0 * params.dk_row_stride;
+    Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
+                  key0 * params.dv_row_stride;
+    store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dk, smem, params.dk_row_stride, valid_keys, d);
+    store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride, valid_keys, d);
+#else
+    __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_bwd_traits.h)
+#endif
+}
+
+}  // namespace flash
