@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     // dQ of query block m_block, staged in sdQ (the warpgroups' partial tiles summed here), added into
     // dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
     // of a row). Against adding 8-byte atomics straight from the accumulators after the wait (v7.0), the
-    // backward gained 13-18% at hd128 and 31-48% at hd64 (docs/kernel_notes.md, "v7 backward").
+    // backward gained 12-18% at hd128 and 33-48% at hd64 (docs/kernel_notes.md, "v7 backward").
     auto flush_dq = [&](int m_block) {
         constexpr int kVecsPerRow = kHeadDim / 4;
         const int row0 = m_block * kBlockM;
