@@ -44,6 +44,19 @@ constexpr int kPreprocessWarps = 8;             // rows (one warp each) per prep
 constexpr int kConvertThreads = 256;
 constexpr int kConvertVec = 4;                  // dq_accum floats per convert thread
 
+// Alg. 2 line 10's L_i and D_i for the kBlockM query rows from row0, into shared memory by plain stores of
+// threads 0 .. kBlockM - 1: L pre-multiplied by log2e (P = exp2(S scale log2e - L log2e)); rows past Tq get
+// L = +inf (so P = 0) and D = 0.
+template <int kBlockM>
+__device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, const float* lse, const float* delta, int row0,
+                                               int seqlen_q, int tid) {
+    if (tid < kBlockM) {
+        const bool in = row0 + tid < seqlen_q;
+        s_lse[tid] = in ? lse[row0 + tid] * kLog2e : INFINITY;
+        s_delta[tid] = in ? delta[row0 + tid] : 0.f;
+    }
+}
+
 // Alg. 2 line 4: delta = rowsum(dO o O) in fp32, one warp per (batch, head, query) row.
 template <typename Element>
 __global__ void __launch_bounds__(kPreprocessWarps * kWarpSize) bwd_preprocess_kernel(const BwdParams params) {

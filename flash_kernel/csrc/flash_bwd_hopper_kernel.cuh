@@ -94,19 +94,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     // Causal: query blocks that end before the first query seeing key0 contribute nothing.
     const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
 
-    // Alg. 2 line 10: Q_i, dO_i by cp.async into the swizzled layout; L_i (times log2e) and D_i by plain
-    // stores. Rows past Tq get L = +inf (so P = 0) and D = 0.
+    // Alg. 2 line 10: Q_i, dO_i by cp.async into the swizzled layout (zero rows past Tq); L_i and D_i.
     auto load_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sQ + stage * Traits::kSmemQBytes, q + row0 * params.q_row_stride,
                                                          params.q_row_stride, seqlen_q - row0, d, tid);
         copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sdO + stage * Traits::kSmemQBytes, dO + row0 * params.do_row_stride,
                                                          params.do_row_stride, seqlen_q - row0, d, tid);
-        if (tid < kBlockM) {
-            const bool in = row0 + tid < seqlen_q;
-            sLse[stage * kBlockM + tid] = in ? lse[row0 + tid] * kLog2e : INFINITY;
-            sDelta[stage * kBlockM + tid] = in ? delta[row0 + tid] : 0.f;
-        }
+        load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, tid);
     };
 
     // dQ of query block m_block, staged in sdQ (the warpgroups' partial tiles summed here), added into

@@ -126,12 +126,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             sdO + stage * Traits::kSmemQTileElems, dO + row0 * params.do_row_stride, params.do_row_stride, seqlen_q - row0, d);
     };
     auto load_lse_delta = [&](int m_block, int stage) {
-        const int row0 = m_block * kBlockM;
-        if (tid < kBlockM) {
-            const bool in = row0 + tid < seqlen_q;
-            sLse[stage * kBlockM + tid] = in ? lse[row0 + tid] * kLog2e : INFINITY;
-            sDelta[stage * kBlockM + tid] = in ? delta[row0 + tid] : 0.f;
-        }
+        flash::load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, m_block * kBlockM,
+                                       seqlen_q, tid);
     };
     // acc (kDkvKTiles x kDkvNTiles, this warp's dK/dV tile) += X^T Y over the block's kBlockM queries:
     // X^T (keys x queries) from sXt [kBlockN][kDsStride] (P^T or dS^T), Y (queries x head dim) from sY.
