@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
 
     const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
     const int tid = threadIdx.x;
-    const int wg = tid / kWarpgroupThreads;
+    const int wg = __shfl_sync(0xffffffffu, tid / kWarpgroupThreads, 0);  // warp-uniform: descriptors in uniform registers
     const int lane = tid % kWarpSize;
     const int g = lane / 4, t = lane % 4;
     // This thread's accumulator rows (keys of S^T, dP^T, dK, dV; queries of dQ): my_row and my_row + 8 of its

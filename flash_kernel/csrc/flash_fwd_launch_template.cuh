@@ -14,18 +14,33 @@ constexpr int kDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above thi
 
 constexpr int kReservedSmemPerBlock = 1024;   // shared memory the driver keeps per thread block (sm80+)
 
-// One forward kernel (flash_fwd_kernel or flash_fwd_hopper_kernel) of the given Traits.
-template <typename Traits>
-cudaError_t launch_fwd(void (*kernel)(FwdParams), const FwdParams& params, cudaStream_t stream) {
+// One forward kernel (flash_fwd_kernel or flash_fwd_hopper_kernel) of the given Traits; `extra` are the
+// kernel's parameters after FwdParams (the Hopper kernel's tensor maps).
+template <typename Traits, typename... Extra>
+cudaError_t launch_fwd(void (*kernel)(FwdParams, Extra...), const FwdParams& params, cudaStream_t stream, const Extra&... extra) {
     constexpr int kSmem = Traits::kSmemBytes;
     if (kSmem > kDefaultSmemBytes) {
         FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     }
     // Alg. 1 line 3: one thread block per (query block, head, batch).
     const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.h, params.b);
-    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params, extra...);
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;
+}
+
+// The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN.
+template <typename Traits, bool kIsCausal>
+cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
+    using Element = typename Traits::Element;
+    FwdTensorMaps maps;
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, Traits::kBlockM>(&maps.q, p.q_ptr, p.d, p.seqlen_q, p.h, p.b, p.q_row_stride,
+                                                                   p.q_head_stride, p.q_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, Traits::kBlockN>(&maps.k, p.k_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.k_row_stride,
+                                                                   p.k_head_stride, p.k_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, Traits::kBlockN>(&maps.v, p.v_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.v_row_stride,
+                                                                   p.v_head_stride, p.v_batch_stride)));
+    return launch_fwd<Traits>(&flash_fwd_hopper_kernel<Traits, kIsCausal>, p, stream, maps);
 }
 
 // A config may name OneBlockTraits: what to run where the SM's shared memory cannot hold the
@@ -41,7 +56,7 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
         if (params.use_sm90) {
             using HopperTraits = typename HopperFwdConfig<kHeadDim, Element>::Traits;
             return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-                return launch_fwd<HopperTraits>(&flash_fwd_hopper_kernel<HopperTraits, kIsCausal>, params, stream);
+                return launch_fwd_hopper<HopperTraits, kIsCausal>(params, stream);
             });
         }
     }

@@ -2,8 +2,8 @@
 //
 // A thread block is two warpgroups of 64 query rows each (kBlockM = 128). Each computes its S = Q K^T
 // (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P as the register
-// A operand. K and V tiles of kBlockN keys stream into kNStages stages each with cp.async issued by all
-// threads, on full/empty mbarriers per stage. Shared memory holds Q and the K/V stages in the 128B-swizzled
+// A operand. K and V tiles of kBlockN keys stream into kNStages stages each by TMA (hopper_tma.h),
+// on full/empty mbarriers per stage. Shared memory holds Q and the K/V stages in the 128B-swizzled
 // layout of hopper_utils.cuh, then the mbarriers.
 #pragma once
 
@@ -34,7 +34,7 @@ struct HopperFwdTraits {
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemTileBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes;
-    static constexpr int kNMbarriers = 4 * kNStages;  // K full, V full, K empty, V empty, per stage
+    static constexpr int kNMbarriers = 4 * kNStages + 1;  // K full, V full, K empty, V empty per stage; Q full
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + kSwizzleAtomBytes;
 

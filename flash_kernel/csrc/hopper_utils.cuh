@@ -36,8 +36,12 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_byte_addr
            (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
 }
 // A descriptor moved by a byte offset inside the same 256 KB window: only the 14-bit address field changes,
-// and it cannot carry (shared memory is < 256 KB).
-__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// and it cannot carry (shared memory is < 256 KB). A 32-bit add on the low word: the 64-bit add cost three
+// instructions per wgmma, on the path that issues a turn's wgmmas.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+    const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+    return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
 
 // wgmma.fence: orders this warpgroup's earlier register writes (accumulators rescaled, P packed) before the
 // wgmma that reads them. commit/wait: wgmma runs asynchronously until wait_group<N> leaves N groups in flight.
@@ -67,17 +71,14 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[M][N]) {
 // proxy. Each writer fences its own writes before the barrier that publishes them.
 __device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// mbarriers (PTX ISA "mbarrier") in shared memory: the cp.async completions of the threads that load a
-// stage fill it (cp.async.mbarrier.arrive.noinc: one arrival per thread once all its earlier cp.async have
-// landed), the readers' arrivals empty it. A waiter names the phase parity it waits to see completed.
+// mbarriers (PTX ISA "mbarrier") in shared memory: a stage's "full" barrier completes when its TMA bytes
+// landed (hopper_tma.h), its "empty" one when every reader arrived. A waiter names the phase parity it waits
+// to see completed.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
     asm volatile(

@@ -1,0 +1,105 @@
+// TMA (the Tensor Memory Accelerator, sm_90): a whole tile of Q, K or V copied global -> shared memory by one
+// instruction of one thread, straight into the 128B-swizzled layout of hopper_utils.cuh, completing on an
+// mbarrier by byte count. It takes the cp.async address arithmetic (~190 instructions per warp per K/V turn
+// of the v6 forward, ncu) off the warps that run the softmax.
+//
+// Host: a tensor map (CUtensorMap, 128 bytes) per operand describes the (B, T, H, D) tensor as 4 dims,
+// innermost first: (d, seqlen, heads, batch), strides in bytes; its box is one 64-column block of kRows rows
+// (64 bf16/fp16 = 128 bytes, the swizzle span), so a kHeadDim-wide tile is kHeadDim / 64 copies, each landing
+// on its own column block of the tile. Rows past seqlen and columns past d are out of bounds and filled with
+// zeros by the hardware (the masking the cp.async path did with predicates). The maps are kernel parameters
+// (__grid_constant__), which is where the TMA unit reads them from.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums (types only; the encoder comes from the runtime, below)
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "hopper_utils.cuh"
+
+namespace flash {
+
+// ---------------------------------------------------------------------------------------------------- host
+using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                          const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                          CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point: no link against libcuda.so.
+inline TensorMapEncodeTiled tensor_map_encoder() {
+    static const TensorMapEncodeTiled encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+            return TensorMapEncodeTiled{nullptr};
+        }
+        return reinterpret_cast<TensorMapEncodeTiled>(fn);
+    }();
+    return encode;
+}
+
+// A (B, T, H, D) operand, strides in elements as in FwdParams (0 for a dimension of size 1), tiled as
+// kRows x 64-column boxes. The binding already checked what TMA needs: a 16-byte-aligned base, strides that
+// are multiples of 8 elements, d a multiple of 8.
+template <typename Element, int kRows>
+cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, int heads, int batch, int64_t row_stride,
+                          int64_t head_stride, int64_t batch_stride) {
+    static_assert(sizeof(Element) == 2, "16-bit elements: a 64-column box is the 128-byte swizzle span");
+    const TensorMapEncodeTiled encode = tensor_map_encoder();
+    if (encode == nullptr) return cudaErrorNotSupported;
+    constexpr int64_t kBytes = sizeof(Element);
+    // A size-1 dimension's stride is never used to address; TMA still wants a non-zero multiple of 16 bytes.
+    auto bytes = [](int64_t stride) { return static_cast<cuuint64_t>(stride > 0 ? stride * kBytes : 16); };
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(heads),
+                                static_cast<cuuint64_t>(batch)};
+    const cuuint64_t strides[3] = {bytes(row_stride), bytes(head_stride), bytes(batch_stride)};  // dims 1..3
+    const cuuint32_t box[4] = {static_cast<cuuint32_t>(kSwizzleBlockElems), static_cast<cuuint32_t>(kRows), 1, 1};
+    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+    const CUresult r = encode(map, std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              4, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// -------------------------------------------------------------------------------------------------- device
+// The phase of `bar` completes once its pending arrivals are done and `bytes` more bytes have landed.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// mbarrier.init is a generic-proxy write; the TMA unit signals the barriers through the async proxy.
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The TMA unit caches tensor maps; fetching one early hides that miss behind the prologue.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Box (col, row, head, batch) of `map` into shared memory at `smem` (1024-aligned for the swizzle), counted
+// on `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load_tile(uint32_t smem, const CUtensorMap* map, int col, int row, int head, int batch,
+                                              uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+        ::"r"(smem), "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+        : "memory");
+}
+
+// A kRows x kHeadDim tile (all its 64-column blocks) starting at `row` of (head, batch): arms `bar` with
+// the tile's bytes, then issues one copy per column block. One thread calls it.
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ void tma_load_rows(uint32_t smem, const CUtensorMap* map, int row, int head, int batch, uint32_t bar) {
+    constexpr uint32_t kColBlockBytes = kRows * kSwizzleRowBytes;
+    mbarrier_arrive_expect_tx(bar, kHeadDim / kSwizzleBlockElems * kColBlockBytes);
+#pragma unroll
+    for (int c = 0; c < kHeadDim / kSwizzleBlockElems; ++c) {
+        tma_load_tile(smem + c * kColBlockBytes, map, c * kSwizzleBlockElems, row, head, batch, bar);
+    }
+}
+
+}  // namespace flash
