@@ -70,6 +70,7 @@ def build(verbose: bool = False) -> str:
     archs = os.environ.get("FLASH_KERNEL_ARCHS", DEFAULT_ARCHS)
     sources = sorted(glob.glob(os.path.join(CSRC_DIR, "*.cu"))) + [os.path.join(CSRC_DIR, "flash_api.cpp")]
     os.makedirs(BUILD_DIR, exist_ok=True)
+    extra = os.environ.get("FLASH_KERNEL_NVCC_EXTRA", "")
     nvcc_flags = [
         "-O3",
         "-std=c++17",
@@ -77,9 +78,8 @@ def build(verbose: bool = False) -> str:
         "-lineinfo",  # source lines in compute-sanitizer / ncu reports; no effect on code
         "--ptxas-options=-warn-spills",
         *_arch_flags(archs),
-        *shlex.split(os.environ.get("FLASH_KERNEL_NVCC_EXTRA", "")),
+        *shlex.split(extra),
     ]
-    extra = os.environ.get("FLASH_KERNEL_NVCC_EXTRA", "")
     print(f"flash_kernel: building {len(sources)} sources for sm {archs} with MAX_JOBS={os.environ['MAX_JOBS']}"
           + (f", extra nvcc flags {extra!r}" if extra else ""), flush=True)
     t0 = time.perf_counter()

@@ -125,7 +125,6 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
-    p.use_sm90 = sm90_forward_allowed(q.device().index());
 }
 
 // Which forward / backward main kernel runs for this head dim on this device (benchmark labels, tests).
@@ -153,6 +152,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     const c10::cuda::CUDAGuard device_guard(q.device());
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
+    p.use_sm90 = sm90_forward_allowed(q.device().index());
     const cudaError_t err = flash::run_mha_fwd(p, at::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == cudaSuccess, "flash_kernel: forward launch failed: ", cudaGetErrorString(err));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

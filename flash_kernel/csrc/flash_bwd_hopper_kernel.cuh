@@ -51,8 +51,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     constexpr uint32_t kKStepRowsBytes = kMmaK * kSwizzleRowBytes;     // 16 rows of an N- or M-major operand
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const uint32_t pad = (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
-    unsigned char* smem = smem_raw + pad;
+    unsigned char* smem = swizzle_aligned(smem_raw);
     const uint32_t sK = smem_addr(smem);                            // [swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + Traits::kSmemKVBytes;                  // [swizzled kBlockN x kHeadDim]
     const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]

@@ -57,10 +57,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
     constexpr uint32_t kKStepBytesN = kMmaK * kSwizzleRowBytes;        // 16 keys of V
 
-    // The swizzle atoms must be 1024-aligned; the launch adds that much slack to the allocation.
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const uint32_t pad = (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
-    unsigned char* smem = smem_raw + pad;
+    unsigned char* smem = swizzle_aligned(smem_raw);
     const uint32_t sQ = smem_addr(smem);
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
