@@ -4,7 +4,7 @@
 // flash_bwd_tiled_kernel; the preprocess (D) and dQ-convert kernels around it are the same too.
 //
 // Per thread block: K_j, V_j (kBlockN = 128 keys); warpgroup wg owns keys [64 wg, 64 wg + 64). Per query block
-// i (64 queries, double-buffered with cp.async one block ahead):
+// i (64 queries; Q_i and dO_i by TMA, L_i and D_i by cp.async, double-buffered one block ahead):
 //   line 11  S^T  = K_wg Q_i^T        ss: A = K rows (K-major), B = Q_i (K-major)        64 x 64, registers
 //   line 14  dP^T = V_wg dO_i^T       ss: A = V rows (K-major), B = dO_i (K-major)       64 x 64, registers
 //            (one wgmma group each: the softmax recompute of P^T runs while dP^T is on the tensor cores)
@@ -26,13 +26,20 @@
 
 #include "flash_bwd_common.cuh"
 #include "hopper_bwd_traits.h"
+#include "hopper_tma.h"
 #include "utils.cuh"
 #include "wgmma.cuh"
 
 namespace flash {
 
+// Tensor maps of the backward's operands (hopper_tma.h): Q and dO in boxes of kBlockM rows, K and V of kBlockN.
+struct BwdTensorMaps {
+    CUtensorMap q, k, v, dO;
+};
+
 template <typename Traits, bool kIsCausal>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(const BwdParams params) {
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_hopper_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ BwdTensorMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -58,10 +65,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     const uint32_t sdO = sQ + kNStages * Traits::kSmemQBytes;  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
     unsigned char* sdS_ptr = smem + (sdS - sK);
-    float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM], L * log2e
-    float* sDelta = sLse + Traits::kNStages * kBlockM;                      // [kNStages][kBlockM]
+    float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
+    float* sDelta = sLse + Traits::kNStages * kBlockM;                      // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + Traits::kNStages * kBlockM;  // [kDqParts][kBlockM][kSdqStride]: fp32 dQ_i
     constexpr int kSdqStride = Traits::kSdqStride;
+    const uint32_t full_kv = smem_addr(sdQ) + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
+    auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
     const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
     const int tid = threadIdx.x;
@@ -78,12 +87,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     const int key0 = n_block * kBlockN;
     const int valid_keys = min(kBlockN, seqlen_k - key0);
 
-    const Element* q = static_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
-    const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
-    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_k * params.k_head_stride +
-                       key0 * params.k_row_stride;
-    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_k * params.v_head_stride +
-                       key0 * params.v_row_stride;
     const int64_t row_base = (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;  // into (B, Hq, Tq)
     const float* lse = params.lse_ptr + row_base;
     const float* delta = params.delta_ptr + row_base;
@@ -93,20 +96,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     // Causal: query blocks that end before the first query seeing key0 contribute nothing.
     const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
 
-    // Alg. 2 line 10: Q_i, dO_i by cp.async into the swizzled layout (zero rows past Tq); L_i and D_i.
+    // Thread 0 issues the TMA loads, each arming its tile's "full" mbarrier with the tile's bytes.
+    const bool loader = tid == 0;
+    if (loader) {
+        prefetch_tensor_map(&maps.q);
+        prefetch_tensor_map(&maps.dO);
+        mbarrier_init(full_kv, 2);  // two arrivals (K and V), plus their bytes
+        for (int stage = 0; stage < kNStages; ++stage) mbarrier_init(full_qdo(stage), 2);  // Q_i and dO_i
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    // Alg. 2 line 10: Q_i and dO_i by TMA (loader; rows past Tq come back as zeros), L_i and D_i by 4-byte
+    // cp.async (threads 0 .. kBlockM - 1; zeros past Tq: the zero Q_i and dO_i rows make those rows' dS and
+    // dV contributions zero whatever P is). Nothing waits for them until the next iteration's first barrier.
     auto load_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sQ + stage * Traits::kSmemQBytes, q + row0 * params.q_row_stride,
-                                                         params.q_row_stride, seqlen_q - row0, d, tid);
-        copy_tile_swizzled<kBlockM, kHeadDim, kNThreads>(sdO + stage * Traits::kSmemQBytes, dO + row0 * params.do_row_stride,
-                                                         params.do_row_stride, seqlen_q - row0, d, tid);
-        load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, tid);
+        if (loader) {
+            tma_load_rows<kBlockM, kHeadDim>(sQ + stage * Traits::kSmemQBytes, &maps.q, row0, bidh, bidb, full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim>(sdO + stage * Traits::kSmemQBytes, &maps.dO, row0, bidh, bidb, full_qdo(stage));
+        }
+        if (tid < kBlockM) {
+            const bool in = row0 + tid < seqlen_q;
+            cp_async_4(smem_addr(sLse + stage * kBlockM + tid), in ? lse + row0 + tid : lse, in);
+            cp_async_4(smem_addr(sDelta + stage * kBlockM + tid), in ? delta + row0 + tid : delta, in);
+        }
+        cp_async_commit();
     };
 
     // dQ of query block m_block, staged in sdQ (the warpgroups' partial tiles summed here), added into
     // dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
     // of a row). Against adding 8-byte atomics straight from the accumulators after the wait (v7.0), the
-    // backward gained 12-18% at hd128 and 33-48% at hd64 (docs/kernel_notes.md, "v7 backward").
+    // backward gained 12-18% at hd128 and 33-48% at hd64; against the TMA unit's reduce-adds (per row, or per
+    // 64 x 32 swizzled box), 9-33% (docs/kernel_notes.md, "v7 backward" and "v9 backward").
     auto flush_dq = [&](int m_block) {
         constexpr int kVecsPerRow = kHeadDim / 4;
         const int row0 = m_block * kBlockM;
@@ -125,11 +147,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
         }
     };
 
-    // Alg. 2 lines 7-8.
-    copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sK, k, params.k_row_stride, valid_keys, d, tid);
-    copy_tile_swizzled<kBlockN, kHeadDim, kNThreads>(sV, v, params.v_row_stride, valid_keys, d, tid);
-    if (m_block_min < m_block_max) load_q_do(m_block_min, 0);
-    cp_async_commit();
+    // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros).
+    if (m_block_min < m_block_max) {
+        if (loader) {
+            prefetch_tensor_map(&maps.k);
+            prefetch_tensor_map(&maps.v);
+            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, key0, bidh_k, bidb, full_kv);
+            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, key0, bidh_k, bidb, full_kv);
+        }
+        load_q_do(m_block_min, 0);
+        mbarrier_wait(full_kv, 0);
+    }
 
     float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
 #pragma unroll
@@ -147,14 +175,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
     const int dq_col0 = Traits::kDqSplitKeys ? 0 : wg * Traits::kDqCols;
 
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-        const int stage = (m_block - m_block_min) % kNStages;
-        // Stage `stage` landed (this thread's copies, fenced for the async proxy, then everyone's); every
-        // wgmma of iteration i-1 completed before its end, so the other stage and sdS are free.
+        const int iter = m_block - m_block_min;
+        const int stage = iter % kNStages;
+        // Stage `stage` landed (the TMA bytes, this thread's cp.asyncs, then everyone's); every wgmma of
+        // iteration i-1 completed before its end, so the other stage and sdS are free.
+        mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
         cp_async_wait<0>();
-        fence_view_async_shared();
         __syncthreads();
         if (m_block + 1 < m_block_max) load_q_do(m_block + 1, stage ^ 1);
-        cp_async_commit();
 
         const uint32_t sQ_st = sQ + stage * Traits::kSmemQBytes, sdO_st = sdO + stage * Traits::kSmemQBytes;
         const float* sLse_st = sLse + stage * kBlockM;
@@ -202,7 +230,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
 #pragma unroll
         for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -sLse_st[i * kMmaN + 2 * t + (e & 1)]));
+            for (int e = 0; e < 4; ++e) {
+                s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -kLog2e * sLse_st[i * kMmaN + 2 * t + (e & 1)]));
+            }
         }
         // P^T as the register A operand of line 13 (the accumulators of query columns 16kk..16kk+15 are k-step
         // kk), packed while dP^T may still run.
@@ -282,7 +312,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_hopper_kernel(
 
     // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them
     // completed), in the swizzled layout, then 16-byte rows to global memory.
-    cp_async_wait<0>();
     __syncthreads();
     if (m_block_min < m_block_max) flush_dq(m_block_max - 1);  // the last query block's dQ
     const int out_row = wg * kWarpgroupRows + wg_row;

@@ -35,10 +35,11 @@ struct HopperBwdTraits {
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;      // one stage of Q or dO, swizzled
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
     static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
-    static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i * log2e and D_i per stage
+    static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
     static constexpr int kSmemDqBytes = kDqParts * kBlockM * kSdqStride * 4;  // dQ_i, flushed by iteration i+1
+    static constexpr int kSmemBarBytes = 8 * (1 + kNStages);                 // mbarriers: K/V, Q_i/dO_i per stage
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
-    static constexpr int kSmemBytes = kSmemTileBytes + kSmemRowStatBytes + kSmemDqBytes + kSwizzleAtomBytes;
+    static constexpr int kSmemBytes = kSmemTileBytes + kSmemRowStatBytes + kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");

@@ -1,5 +1,5 @@
-// TMA (the Tensor Memory Accelerator, sm_90): a whole tile of Q, K or V copied global -> shared memory by one
-// instruction of one thread, straight into the 128B-swizzled layout of hopper_utils.cuh, completing on an
+// TMA (the Tensor Memory Accelerator, sm_90): a whole tile of Q, K, V or dO copied global -> shared memory by
+// one instruction of one thread, straight into the 128B-swizzled layout of hopper_utils.cuh, completing on an
 // mbarrier by byte count. It takes the cp.async address arithmetic (~190 instructions per warp per K/V turn
 // of the v6 forward, ncu) off the warps that run the softmax.
 //

@@ -1,14 +1,14 @@
-// Hopper (sm_90a) pieces of the forward: the 128-byte-swizzled shared-memory tile layout that wgmma reads
-// through matrix descriptors, the descriptors themselves, the wgmma fences, and cp.async copies into and
-// out of that layout.
+// Hopper (sm_90a) pieces of the forward and backward kernels: the 128-byte-swizzled shared-memory tile layout
+// that wgmma reads through matrix descriptors (and TMA writes, hopper_tma.h), the descriptors themselves, the
+// wgmma fences, mbarriers and named barriers, and the copy of a tile out of that layout.
 //
 // Swizzled tile layout (the "SW128" layout of the PTX ISA's wgmma shared-memory matrix section): a tile of
 // kRows x kHeadDim 16-bit elements is stored as kHeadDim / 64 column blocks of 64 elements (128 bytes per
 // row), each block kRows rows of 128 bytes, one after the other:
 //     byte(row, col) = (col / 64) * kRows * 128 + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16 + (col % 8) * 2
 // i.e. inside every 8-row x 128-byte atom (1024 bytes, 1024-aligned) the 16-byte chunk index is XORed with
-// the row index: the 8 rows of one 16-byte column land in 8 different bank groups, so the 16-byte cp.async
-// stores, the epilogue's 4-byte stores and wgmma's reads are all conflict free, and the hardware undoes the
+// the row index: the 8 rows of one 16-byte column land in 8 different bank groups, so the epilogues' 4-
+// and 16-byte accesses and wgmma's reads are all conflict free, and the hardware undoes the
 // same XOR on the address bits [4:6] ^= [7:9] when it reads through a descriptor with the 128B swizzle mode.
 // The same layout serves both operand majors:
 //   K-major (Q and K in S = Q K^T: rows = M or N, 64-element blocks along K = head dim): 8-row groups are
@@ -67,7 +67,7 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[M][N]) {
         for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
     }
 }
-// cp.async and st.shared write through the generic proxy; wgmma reads shared memory through the async
+// st.shared (and cp.async) write through the generic proxy; wgmma reads shared memory through the async
 // proxy. Each writer fences its own writes before the barrier that publishes them.
 __device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -107,27 +107,6 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
 template <int kRows>
 __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
     return static_cast<uint32_t>((c / 8) * kRows * kSwizzleRowBytes + row * kSwizzleRowBytes + (((c % 8) ^ (row % 8)) * 16));
-}
-
-// cp.async a (kRows x kHeadDim) tile from global rows [0, valid_rows), columns [0, d) into the swizzled layout,
-// zero-filling the rest, by kNThreads threads (thread = 0 .. kNThreads - 1). A thread always copies chunk
-// column thread % kChunksPerRow, of rows kRowsPerStep apart, so only one source pointer advances.
-template <int kRows, int kHeadDim, int kNThreads, typename Element>
-__device__ __forceinline__ void copy_tile_swizzled(uint32_t smem, const Element* gmem, int64_t row_stride, int valid_rows,
-                                                   int d, int thread) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
-    static_assert(kNThreads % kChunksPerRow == 0 && kRows % kRowsPerStep == 0, "whole rows per step");
-    const int row0 = thread / kChunksPerRow;
-    const int c = thread % kChunksPerRow;
-    const Element* src = gmem + row0 * row_stride + c * 8;
-#pragma unroll
-    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
-        const int row = row0 + step * kRowsPerStep;
-        const bool pred = row < valid_rows && c * 8 < d;
-        cp_async_16(smem + swizzled_chunk_offset<kRows>(row, c), pred ? src : gmem, pred);
-        src += kRowsPerStep * row_stride;
-    }
 }
 
 // Write rows [0, valid_rows), columns [0, d) of a swizzled (kRows x kHeadDim) tile to global memory, 16 bytes

@@ -26,6 +26,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_
     const int src_bytes = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
 }
+// 4-byte async copy (per-row fp32 statistics), zero-filled when pred is false.
+__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src, bool pred) {
+    const int src_bytes = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
