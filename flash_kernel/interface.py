@@ -7,7 +7,11 @@ Here it becomes two torch.library custom ops,
     flash_kernel::bwd(do, q, k, v, o, lse, softmax_scale, causal, deterministic) -> (dq, dk, dv)
 
 with fake (meta) implementations and autograd registered, so torch.compile(fullgraph=True) traces
-through them without graph breaks and torch.library.opcheck passes. `flash_attn_func` is the user entry.
+through them without graph breaks and torch.library.opcheck passes. `flash_attn_func` is the user entry:
+under torch.compile it calls the ops; in eager mode it calls the same kernels through a plain
+torch.autograd.Function, because torch.library's per-call layers (dispatch, aliasing checks, the
+registered autograd) cost about 0.4 ms of host time per forward + backward, more than the GPU time of a
+small attention call (docs/kernel_notes.md, "Host time per call").
 
 The compiled module flash_kernel._C is imported lazily, inside the op, so `import flash_kernel` works on
 a machine without CUDA or without the built extension; `is_available()` / `unavailable_reason()` say
@@ -170,6 +174,11 @@ def _fwd(
     # `deterministic` is unused by the forward (it is deterministic anyway); it is an input here so that
     # setup_context can hand it to the backward, which is registered on this op.
     check_inputs(q, k, v)
+    return _fwd_impl(q, k, v, softmax_scale, causal)
+
+
+def _fwd_impl(q, k, v, softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel on checked inputs: o (B, Tq, Hq, D), lse (B, Hq, Tq) float32."""
     C = _load_C()
     B, seqlen_q, Hq, D = q.shape
     # Fresh contiguous outputs (not empty_like: q may be a strided view); the fake impl must match.
@@ -201,6 +210,11 @@ def _bwd(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_bwd_inputs(do, q, k, v, o, lse)
+    return _bwd_impl(do, q, k, v, o, lse, softmax_scale, causal, deterministic)
+
+
+def _bwd_impl(do, q, k, v, o, lse, softmax_scale: float, causal: bool, deterministic: bool):
+    """The backward kernels on checked inputs: dq, dk, dv shaped like q, k, v."""
     C = _load_C()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -231,17 +245,37 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
 
 
-def _backward(ctx, do, dlse):
-    # lse is an auxiliary output for the backward; a gradient flowing into it is not supported and ignored
-    # (flash_attn_func never returns lse to the user).
+def _grads(bwd, ctx, do):
+    """dq, dk, dv and no gradient for the non-tensor inputs, through `bwd` (the op or its implementation)."""
     q, k, v, o, lse = ctx.saved_tensors
     if not _kernel_friendly(do):  # e.g. the expanded gradient of a .sum(): all strides 0
         do = do.contiguous()
-    dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    dq, dk, dv = bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 
+def _backward(ctx, do, dlse):
+    # lse is an auxiliary output for the backward; a gradient flowing into it is not supported and ignored
+    # (flash_attn_func never returns lse to the user).
+    return _grads(_bwd, ctx, do)
+
+
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerFlashAttention(torch.autograd.Function):
+    """flash_attn_func outside torch.compile: the ops' kernels, context and gradients without their dispatch
+    layers. Inputs were checked by flash_attn_func; the saved tensors by the forward; the binding checks all."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+        o, lse = _fwd_impl(q, k, v, softmax_scale, causal)
+        _setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic), (o, lse))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        return _grads(_bwd_impl, ctx, do)
 
 
 def flash_attn_func(
@@ -260,5 +294,7 @@ def flash_attn_func(
     check_inputs(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    o, _lse = _fwd(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
-    return o
+    args = (q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+    if torch.compiler.is_compiling():
+        return _fwd(*args)[0]  # the op, which torch.compile traces through its fake impl and autograd
+    return _EagerFlashAttention.apply(*args)

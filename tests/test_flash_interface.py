@@ -217,6 +217,19 @@ def test_autograd_through_the_ops(cpu_op, causal):
         assert (ours.float() - ref).abs().max() < 3e-2 * max(1.0, ref.abs().max().item())
 
 
+def test_eager_calls_skip_the_ops(cpu_op, monkeypatch):
+    # Eager flash_attn_func runs the kernels without torch.library's per-call layers (host time, see
+    # interface.py); the ops stay what torch.compile traces (test_torch_compile_fullgraph_on_cpu_stand_in).
+    def no_op(*args):
+        raise AssertionError("eager flash_attn_func went through the custom op")
+
+    monkeypatch.setattr(interface, "_fwd", no_op)
+    monkeypatch.setattr(interface, "_bwd", no_op)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    flash_kernel.flash_attn_func(q, k, v).float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_default_scale_and_expanded_grad(cpu_op):
     q, k, v = (t.requires_grad_() for t in _qkv(torch.float16))
     flash_kernel.flash_attn_func(q, k, v).sum().backward()  # expanded grad with stride(-1) == 0
