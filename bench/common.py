@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 
 
 def device_slug(device: str) -> str:
@@ -18,3 +19,18 @@ def can_plot(script: str) -> bool:
         return True
     print(f"no matplotlib here: no figure; redraw it with `python {script} --plot-only`")
     return False
+
+
+def seconds_per_call(step, warmup: int, iters: int) -> float:
+    """Wall seconds per call of `step`: `warmup` calls, then `iters` timed ones, with the GPU synchronized before
+    and after the timed loop only (so the CPU may run ahead of the GPU inside it, as in training)."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters

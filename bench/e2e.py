@@ -39,7 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import can_plot, device_slug  # noqa: E402
+from bench.common import can_plot, device_slug, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
@@ -150,14 +150,7 @@ def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
+    dt = seconds_per_call(step, warmup, steps)
     tokens_per_s = batch * seq_len / dt
     flops = flops_per_token(cfg, seq_len) * tokens_per_s
     peak = peak_flops(torch.cuda.get_device_name(), torch.bfloat16)

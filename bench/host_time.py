@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import seconds_per_call  # noqa: E402
 from bench.kernel import METHODS, environment, load, make_method, save  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "host_time.json"
-
-
-def host_us(step, iters: int) -> float:
-    """Mean wall time per call in microseconds; one synchronize after the loop (GPU work is negligible)."""
-    for _ in range(20):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
 
 
 def main(argv=None) -> int:
@@ -60,7 +48,7 @@ def main(argv=None) -> int:
                     else:
                         fn().backward(do)
 
-            us = host_us(step, args.iters)
+            us = seconds_per_call(step, 20, args.iters) * 1e6  # GPU work is negligible: this is host time
             q.grad = k.grad = v.grad = None
             rows.append({"device": torch.cuda.get_device_name(), "method": method, "mode": mode, "host_us": us,
                          "kernel_version": flash_kernel.KERNEL_VERSION if method.startswith("ours") else None})
