@@ -30,9 +30,9 @@ import math
 import os
 import statistics
 import sys
-from unittest import mock
 from datetime import datetime, timezone
 from pathlib import Path
+from unittest import mock
 
 import torch
 

@@ -33,8 +33,8 @@
 namespace flash {
 
 // Tensor maps of the backward's operands (hopper_tma.h): Q and dO in boxes of kBlockM rows, K and V of kBlockN.
-struct BwdTensorMaps {
-    CUtensorMap q, k, v, dO;
+struct BwdTensorMaps : QkvTensorMaps {
+    CUtensorMap dO;
 };
 
 template <typename Traits, bool kIsCausal>
@@ -127,8 +127,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // dQ of query block m_block, staged in sdQ (the warpgroups' partial tiles summed here), added into
     // dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
     // of a row). Against adding 8-byte atomics straight from the accumulators after the wait (v7.0), the
-    // backward gained 12-18% at hd128 and 33-48% at hd64; against the TMA unit's reduce-adds (per row, or per
-    // 64 x 32 swizzled box), 9-33% (docs/kernel_notes.md, "v7 backward" and "v9 backward").
+    // backward gained 12-18% at hd128 and 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at
+    // 0.35-0.78 x (per row, v8) and 0.71-0.94 x (per 64 x 32 swizzled box, v9) of this (docs/kernel_notes.md,
+    // "v7 backward", "v8 forward" and "v9 backward").
     auto flush_dq = [&](int m_block) {
         constexpr int kVecsPerRow = kHeadDim / 4;
         const int row0 = m_block * kBlockM;

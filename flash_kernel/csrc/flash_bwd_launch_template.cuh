@@ -19,14 +19,9 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     using Element = typename Traits::Element;
     constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN;
     BwdTensorMaps maps;
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM>(&maps.q, p.q_ptr, p.d, p.seqlen_q, p.h, p.b, p.q_row_stride, p.q_head_stride,
-                                                      p.q_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<Element, kM, kN>(&maps, p)));
     FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM>(&maps.dO, p.do_ptr, p.d, p.seqlen_q, p.h, p.b, p.do_row_stride,
                                                       p.do_head_stride, p.do_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kN>(&maps.k, p.k_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.k_row_stride,
-                                                      p.k_head_stride, p.k_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kN>(&maps.v, p.v_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.v_row_stride,
-                                                      p.v_head_stride, p.v_batch_stride)));
     return FLASH_BOOL_SWITCH(p.is_causal, kIsCausal, [&]() -> cudaError_t {
         auto kernel = &flash_bwd_hopper_kernel<Traits, kIsCausal>;
         constexpr int kSmem = Traits::kSmemBytes;

@@ -117,12 +117,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     // Rows past Tq get L = +inf (so P = 0) and D = 0.
     auto load_q = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile_async_row_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
+        copy_tile_async_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
             sQ + stage * Traits::kSmemQTileElems, q + row0 * params.q_row_stride, params.q_row_stride, seqlen_q - row0, d);
     };
     auto load_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile_async_row_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
+        copy_tile_async_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
             sdO + stage * Traits::kSmemQTileElems, dO + row0 * params.do_row_stride, params.do_row_stride, seqlen_q - row0, d);
     };
     auto load_lse_delta = [&](int m_block, int stage) {
@@ -159,9 +159,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
 
         // Alg. 2 lines 7-8.
-        copy_tile_async_row_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sK, k + key0 * params.k_row_stride,
+        copy_tile_async_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sK, k + key0 * params.k_row_stride,
                                                                             params.k_row_stride, valid_keys, d);
-        copy_tile_async_row_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride,
+        copy_tile_async_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride,
                                                                             params.v_row_stride, valid_keys, d);
         if (m_block_min < m_block_max) {
             load_q(m_block_min, 0);

@@ -35,14 +35,9 @@ namespace flash {
 constexpr int kBarTurnWg0 = 1;     // + wg: "warpgroup wg may issue its matmuls"
 constexpr int kBarEpilogue = 3;    // both warpgroups wrote their O rows to shared memory
 
-// Tensor maps of the forward's operands (hopper_tma.h): boxes of kBlockM rows of Q, kBlockN rows of K and V.
-struct FwdTensorMaps {
-    CUtensorMap q, k, v;
-};
-
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
-    flash_fwd_hopper_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTensorMaps maps) {
+    flash_fwd_hopper_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ QkvTensorMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;

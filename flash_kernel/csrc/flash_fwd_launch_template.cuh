@@ -32,14 +32,8 @@ cudaError_t launch_fwd(void (*kernel)(FwdParams, Extra...), const FwdParams& par
 // The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN.
 template <typename Traits, bool kIsCausal>
 cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
-    using Element = typename Traits::Element;
-    FwdTensorMaps maps;
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, Traits::kBlockM>(&maps.q, p.q_ptr, p.d, p.seqlen_q, p.h, p.b, p.q_row_stride,
-                                                                   p.q_head_stride, p.q_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, Traits::kBlockN>(&maps.k, p.k_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.k_row_stride,
-                                                                   p.k_head_stride, p.k_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, Traits::kBlockN>(&maps.v, p.v_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.v_row_stride,
-                                                                   p.v_head_stride, p.v_batch_stride)));
+    QkvTensorMaps maps;
+    FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
     return launch_fwd<Traits>(&flash_fwd_hopper_kernel<Traits, kIsCausal>, p, stream, maps);
 }
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flash_launch.h"  // FwdParams, FLASH_RETURN_IF_ERROR
 #include "hopper_utils.cuh"
 
 namespace flash {
@@ -62,6 +63,21 @@ cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, 
                               4, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Q, K and V of both passes: Q in boxes of kQRows rows, K and V (h_k heads under GQA) of kKVRows.
+struct QkvTensorMaps {
+    CUtensorMap q, k, v;
+};
+
+template <typename Element, int kQRows, int kKVRows>
+cudaError_t make_qkv_tile_maps(QkvTensorMaps* maps, const FwdParams& p) {
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows>(&maps->q, p.q_ptr, p.d, p.seqlen_q, p.h, p.b, p.q_row_stride,
+                                                          p.q_head_stride, p.q_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows>(&maps->k, p.k_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.k_row_stride,
+                                                           p.k_head_stride, p.k_batch_stride)));
+    return make_tile_map<Element, kKVRows>(&maps->v, p.v_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.v_row_stride, p.v_head_stride,
+                                           p.v_batch_stride);
 }
 
 // -------------------------------------------------------------------------------------------------- device

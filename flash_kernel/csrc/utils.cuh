@@ -120,40 +120,16 @@ __device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gm
     }
 }
 
-// The same copy with one source pointer advanced by a fixed row step per chunk. copy_tile_async's
-// per-chunk 64-bit offsets (row * row_stride) are loop-invariant in the kernels' main loops, so ptxas
-// hoists them out and, at 255 registers, spills them (4 warps x 2 m16 tiles at hd128: ~430 B of spill,
-// 48 LDL per K/V tile); here only the pointer, its step and the row index stay live.
+// The same copy with one source pointer per thread, advanced by a fixed row step: a thread always copies
+// column chunk thread % kChunksPerRow, of rows kRowsPerStep = kNThreads / kChunksPerRow apart (the
+// kNThreads % kChunksPerRow threads left over idle, e.g. 4 of 256 at head dim 96). copy_tile_async's
+// per-chunk 64-bit offsets (row * row_stride) are loop-invariant in the kernels' main loops, so ptxas hoists
+// them out and, at 255 registers, spills them (4 warps x 2 m16 tiles at hd128: ~430 B of spill, 48 LDL per
+// K/V tile; the 8-warp backward at hd96 on sm_90: 28-48 B); here only the pointer, its step and the row
+// index stay live.
 template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile_async_stepped(Element* smem, const Element* gmem, int64_t row_stride,
                                                         int valid_rows, int d) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kChunks = kRows * kChunksPerRow;
-    static_assert(kNThreads % kChunksPerRow == 0, "a thread's chunks must share one column");
-    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
-    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
-    const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
-    const uint32_t dst = smem_addr(smem + row0 * kSmemStride + col);
-    const Element* src = gmem + row0 * row_stride + col;
-#pragma unroll
-    for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
-        if (kChunks % kNThreads == 0 || c0 + static_cast<int>(threadIdx.x) < kChunks) {
-            const int step = c0 / kNThreads;  // compile-time
-            const bool pred = row0 + step * kRowsPerStep < valid_rows && col < d;
-            cp_async_16(dst + step * kRowsPerStep * kSmemStride * static_cast<uint32_t>(sizeof(Element)),
-                        pred ? src : gmem, pred);
-        }
-        src += kRowsPerStep * row_stride;
-    }
-}
-
-// copy_tile_async_stepped (one column and one source pointer per thread) for any thread count:
-// kNThreads / kChunksPerRow whole rows per step, the kNThreads % kChunksPerRow threads left over idle. For
-// head dim 96 (12 chunks per row: 4 of 256 threads idle), where copy_tile_async's hoisted offsets spill
-// 28-48 B in the 8-warp backward on sm_90; elsewhere it is the same loop as copy_tile_async_stepped.
-template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
-__device__ __forceinline__ void copy_tile_async_row_stepped(Element* smem, const Element* gmem, int64_t row_stride,
-                                                            int valid_rows, int d) {
     constexpr int kChunksPerRow = kHeadDim / 8;
     constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
     static_assert(kRowsPerStep > 0, "a step must cover at least one row");
@@ -174,7 +150,7 @@ __device__ __forceinline__ void copy_tile_async_row_stepped(Element* smem, const
     }
 }
 
-// kStepped picks copy_tile_async_stepped (the v5 variants) or copy_tile_async (the committed kernels).
+// kStepped picks copy_tile_async_stepped (the forward configs of FwdSteppedTraits) or copy_tile_async.
 template <bool kStepped, int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile(Element* smem, const Element* gmem, int64_t row_stride, int valid_rows,
                                           int d) {
