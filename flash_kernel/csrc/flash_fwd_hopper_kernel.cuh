@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kNStages = Traits::kNStages;
     constexpr int kNTilesN = kBlockN / kMmaN;    // n8 column tiles of S per warp
     constexpr int kNTilesD = kHeadDim / kMmaN;   // n8 column tiles of O per warp
-    constexpr int kKStepsD = kHeadDim / kMmaK;   // k16 steps of Q K^T
+    constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of Q K^T (to d_rounded, not the tile width)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
     constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V

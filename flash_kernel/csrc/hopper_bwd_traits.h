@@ -13,10 +13,13 @@
 
 namespace flash {
 
-template <int kHeadDim_, typename Element_>
+// kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded) that S^T = K Q_i^T and
+// dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96 run the 128-wide tiles with zero columns).
+template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_>
 struct HopperBwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kQKDim = kQKDim_;
     static constexpr int kNWarpgroups = 2;
     static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kBlockN = kNWarpgroups * kWarpgroupRows;  // keys per thread block, 64 per warpgroup
@@ -43,6 +46,8 @@ struct HopperBwdTraits {
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
+    static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
+                  "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockM == kSwizzleBlockElems, "dS^T's queries are one 64-column block (dQ's M-major A)");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
     static_assert(kBlockM * kHeadDim / 4 % kNThreads == 0, "the dQ flush: whole float4 steps per thread");
@@ -55,6 +60,10 @@ template <int kHeadDim, typename Element> struct HopperBwdConfig { static conste
 template <typename E> struct HopperBwdConfig<64, E> {
     static constexpr bool kAvailable = true;
     using Traits = HopperBwdTraits<64, E>;    // 118 KB of shared memory
+};
+template <typename E> struct HopperBwdConfig<96, E> {
+    static constexpr bool kAvailable = true;
+    using Traits = HopperBwdTraits<128, E, 96>;  // hd128's tiles, 6 of 8 k16 steps in S^T and dP^T
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;

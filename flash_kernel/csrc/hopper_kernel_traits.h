@@ -19,10 +19,14 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpgroupRows = 64;               // wgmma's M
 constexpr int kMaxSmemBytesSm90 = 227 * 1024;    // opt-in dynamic shared memory per block on H100/H200
 
-template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_>
+// kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
+// (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
+// zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
+template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_, int kQKDim_ = kHeadDim_>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kQKDim = kQKDim_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
@@ -40,6 +44,8 @@ struct HopperFwdTraits {
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
+    static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
+                  "Q K^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
     static_assert(kNStages >= 2, "K_{j+kNStages-1} and V_{j+kNStages-2} load while turn j computes");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
@@ -53,6 +59,10 @@ template <int kHeadDim, typename Element> struct HopperFwdConfig { static conste
 template <typename E> struct HopperFwdConfig<64, E> {
     static constexpr bool kAvailable = true;
     using Traits = HopperFwdTraits<64, 128, 3, 1, E>;
+};
+template <typename E> struct HopperFwdConfig<96, E> {
+    static constexpr bool kAvailable = true;
+    using Traits = HopperFwdTraits<128, 128, 3, 1, E, 96>;  // hd128's tiles, 6 of 8 k16 steps in Q K^T
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;

@@ -174,7 +174,7 @@ def _skip_unless_sm90():
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
-@pytest.mark.parametrize("D", [40, 64, 120, 128])
+@pytest.mark.parametrize("D", [40, 64, 72, 80, 96, 120, 128])  # 65-96: the 128-wide tiles, Q K^T to 96
 def test_hopper_kernels_are_the_default_on_sm90(pass_, D):
     _skip_unless_sm90()
     assert _kernel_name(pass_, D) == "sm90a-wgmma"
@@ -185,7 +185,7 @@ def test_hopper_kernels_are_the_default_on_sm90(pass_, D):
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 113), (113, 113), (255, 17), (1023, 3000), (2049, 2049)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 def test_sm80_kernels_on_sm90(monkeypatch, pass_, dtype, D, causal, seqlen_q, seqlen_k):
