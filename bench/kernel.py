@@ -335,7 +335,7 @@ def format_table(results: list[dict], device: str) -> str:
     rows = [r for r in results if r["device"] == device]
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, hidden {HIDDEN})"]
+    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd)"]
     for mode in MODES:
         for head_dim in sorted({r["hd"] for r in rows}):
             for causal in (False, True):
@@ -396,7 +396,7 @@ def plot(results: list[dict], device: str, path: Path) -> Path:
     handles = [Patch(color=colors(mi), label=LABELS[m]) for mi, m in enumerate(methods)]
     # Title, then legend, then panels, each in its own band (heights in inches, converted to figure fractions).
     height = fig.get_figheight()
-    fig.suptitle(f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, hidden {HIDDEN})", y=1 - 0.05 / height, va="top")
+    fig.suptitle(f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd)", y=1 - 0.05 / height, va="top")
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(handles), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
     path.parent.mkdir(parents=True, exist_ok=True)
