@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "causal_order.h"
 #include "flash_launch.h"
 #include "kernel_traits.h"
 
@@ -102,6 +103,17 @@ bool sm90_allowed(const char* variable, const char* pass, int device_index) {
 bool sm90_forward_allowed(int device_index) { return sm90_allowed("FLASH_KERNEL_FWD", "forward", device_index); }
 bool sm90_backward_allowed(int device_index) { return sm90_allowed("FLASH_KERNEL_BWD", "backward", device_index); }
 
+// The groups of the causal forward's block order (causal_order.h): sized to L2 from the K and V bytes of a
+// query head, unless FLASH_KERNEL_CAUSAL_GROUP_HEADS=N (N >= 1) sets them (tests of short last groups, tuning).
+int causal_order_group_heads(int64_t kv_bytes_per_head, int64_t all_heads) {
+    const char* env = std::getenv("FLASH_KERNEL_CAUSAL_GROUP_HEADS");
+    if (env == nullptr || *env == '\0') return flash::causal_group_heads(kv_bytes_per_head, all_heads);
+    char* end = nullptr;
+    const long long n = std::strtoll(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && n >= 1, "flash_kernel: FLASH_KERNEL_CAUSAL_GROUP_HEADS=", env, " is not a positive integer");
+    return static_cast<int>(std::min<long long>(n, std::max<int64_t>(1, all_heads)));
+}
+
 void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
     p.q_ptr = q.data_ptr();
@@ -125,6 +137,8 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    // K and V of a query head (shared by h / h_k of them under GQA).
+    p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
 }
 
 // Which forward / backward main kernel runs for this head dim on this device (benchmark labels, tests).

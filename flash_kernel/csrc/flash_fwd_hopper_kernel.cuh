@@ -23,6 +23,7 @@
 
 #include <cmath>
 
+#include "causal_order.h"
 #include "flash_params.h"
 #include "hopper_kernel_traits.h"
 #include "hopper_tma.h"
@@ -65,10 +66,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto empty_k = [&](int stage) { return bars + 8 * (2 * kNStages + stage); };
     auto empty_v = [&](int stage) { return bars + 8 * (3 * kNStages + stage); };
 
-    // Causal: the query blocks with the most keys start first, so the last wave is made of short blocks.
-    const int m_block = kIsCausal ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-    const int bidh = blockIdx.y;
-    const int bidb = blockIdx.z;
+    // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
+    const BlockCoord coord = kIsCausal ? causal_block_order(params.causal_group_heads)
+                                       : BlockCoord{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int seqlen_q = params.seqlen_q;
     const int seqlen_k = params.seqlen_k;

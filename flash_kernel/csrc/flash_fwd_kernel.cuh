@@ -23,6 +23,7 @@
 
 #include <cmath>
 
+#include "causal_order.h"
 #include "flash_params.h"
 #include "kernel_traits.h"
 #include "utils.cuh"
@@ -51,9 +52,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     Element* sK = sQ + Traits::kSmemQElems;                         // [kNStages][kBlockN][kStride]
     Element* sV = sK + Traits::kNStages * Traits::kSmemKVTileElems;  // [kNStages][kBlockN][kStride]
 
-    const int m_block = blockIdx.x;
-    const int bidh = blockIdx.y;
-    const int bidb = blockIdx.z;
+    // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
+    const BlockCoord coord = kIsCausal ? causal_block_order(params.causal_group_heads)
+                                       : BlockCoord{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int warp = tid / kWarpSize;
     const int lane = tid % kWarpSize;

@@ -231,6 +231,29 @@ def test_batch_and_many_heads():
     run_case(5, 129, 129, 12, 3, 64, torch.bfloat16, causal=True)
 
 
+# Causal forward grids run in an order of their own (causal_order.h): groups of (batch, head) pairs, longest
+# block first. Short shapes make one group of every pair; these force groups of 1, of 3 over 2 x 5 pairs (the
+# last one short) and of 4 over 3 x 4 (whole): every query block written once (o is NaN-poisoned).
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("sm80", [False, True], ids=["default", "sm80"])
+def test_causal_block_order_groups(monkeypatch, sm80, D, group):
+    monkeypatch.setenv("FLASH_KERNEL_CAUSAL_GROUP_HEADS", str(group))
+    if sm80:
+        monkeypatch.setenv("FLASH_KERNEL_FWD", "sm80")
+        monkeypatch.setenv("FLASH_KERNEL_BWD", "sm80")
+    B, H = (3, 4) if group == 4 else (2, 5)
+    run_case(B, 385, 385, H, 1, D, torch.bfloat16, causal=True)
+    run_case(B, 200, 461, H, H, D, torch.float16, causal=True)  # Tq < Tk: bottom-right aligned
+
+
+def test_causal_block_order_group_env_is_checked(monkeypatch):
+    monkeypatch.setenv("FLASH_KERNEL_CAUSAL_GROUP_HEADS", "0")
+    q, k, v, _ = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="FLASH_KERNEL_CAUSAL_GROUP_HEADS=0 is not a positive integer"):
+        kernel_fwd(q, k, v, True, 0.125)
+
+
 # --------------------------------------------------------------------------------------- deterministic
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("causal", [False, True])
