@@ -137,8 +137,6 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
-    // K and V of a query head (shared by h / h_k of them under GQA).
-    p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
 }
 
 // Which forward / backward main kernel runs for this head dim on this device (benchmark labels, tests).
@@ -167,6 +165,9 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
     p.use_sm90 = sm90_forward_allowed(q.device().index());
+    if (causal) {  // K and V bytes of a query head (shared by h / h_k of them under GQA)
+        p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
+    }
     const cudaError_t err = flash::run_mha_fwd(p, at::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == cudaSuccess, "flash_kernel: forward launch failed: ", cudaGetErrorString(err));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

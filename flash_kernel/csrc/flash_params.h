@@ -36,7 +36,7 @@ struct FwdParams {
     float scale_softmax_log2;  // scale_softmax * log2(e): softmax runs on exp2
 
     bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
-    int causal_group_heads;  // causal forward: (batch, head) pairs per group of the block order (causal_order.h)
+    int causal_group_heads;  // causal forward only: (batch, head) pairs per group of its block order (causal_order.h)
     bool is_bf16;    // else fp16
     bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp:
                      // FLASH_KERNEL_FWD / FLASH_KERNEL_BWD); head dims without one (hopper_kernel_traits.h,
