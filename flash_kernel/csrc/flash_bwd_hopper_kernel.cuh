@@ -4,9 +4,9 @@
 // flash_bwd_tiled_kernel; the preprocess (D) and dQ-convert kernels around it are the same too.
 //
 // Per thread block: K_j, V_j (kBlockN = 128 keys); warpgroup wg owns keys [64 wg, 64 wg + 64). Per query block
-// i (64 queries; Q_i and dO_i by TMA, L_i and D_i by cp.async, double-buffered one block ahead):
-//   line 11  S^T  = K_wg Q_i^T        ss: A = K rows (K-major), B = Q_i (K-major)        64 x 64, registers
-//   line 14  dP^T = V_wg dO_i^T       ss: A = V rows (K-major), B = dO_i (K-major)       64 x 64, registers
+// i (kBlockM queries; Q_i and dO_i by TMA, L_i and D_i by cp.async, double-buffered one block ahead):
+//   line 11  S^T  = K_wg Q_i^T        ss: A = K rows (K-major), B = Q_i (K-major)        64 x kBlockM, registers
+//   line 14  dP^T = V_wg dO_i^T       ss: A = V rows (K-major), B = dO_i (K-major)       64 x kBlockM, registers
 //            (one wgmma group each: the softmax recompute of P^T runs while dP^T is on the tensor cores)
 //   line 12  P^T  = exp2(S^T scale log2e - L_i log2e), masked
 //   line 15  dS^T = P^T o (dP^T - D_i)
@@ -14,7 +14,7 @@
 //   line 17  dK  += dS^T Q_i           rs: A = dS^T from registers, B = Q_i (N-major)      64 x hd
 //            dS^T -> shared memory (swizzled, keys x queries); block barrier
 //   line 16  dQ_i += dS_i K_j          ss: A = dS^T read M-major (transposed by the instruction), B = K (N-major);
-//            each warpgroup 64 queries x kDqCols over kDqKeys keys (hopper_bwd_traits.h), staged in shared
+//            each warpgroup 64 queries x kDqCols over all 128 keys (hopper_bwd_traits.h), staged in shared
 //            memory (fp32) and added into dq_accum with 16-byte atomics by iteration i+1 while its S^T and
 //            dP^T are on the tensor cores (or after the loop).
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kNTilesDq = Traits::kDqCols / kMmaN;
     constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of lines 11 and 14 (to d_rounded, not the tile width)
     constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
-    constexpr int kKStepsDq = Traits::kDqKeys / kMmaK;  // k16 steps of line 16 (keys)
+    constexpr int kKStepsDq = kBlockN / kMmaK;   // k16 steps of line 16 (keys)
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
     constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q_i or dO_i
     constexpr uint32_t kKStepRowsBytes = kMmaK * kSwizzleRowBytes;     // 16 rows of an N- or M-major operand
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     unsigned char* sdS_ptr = smem + (sdS - sK);
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + Traits::kNStages * kBlockM;                      // [kNStages][kBlockM]: D_i
-    float* sdQ = sDelta + Traits::kNStages * kBlockM;  // [kDqParts][kBlockM][kSdqStride]: fp32 dQ_i
+    float* sdQ = sDelta + Traits::kNStages * kBlockM;  // [kBlockM][kSdqStride]: fp32 dQ_i
     constexpr int kSdqStride = Traits::kSdqStride;
     const uint32_t full_kv = smem_addr(sdQ) + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
@@ -124,8 +124,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cp_async_commit();
     };
 
-    // dQ of query block m_block, staged in sdQ (the warpgroups' partial tiles summed here), added into
-    // dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
+    // dQ of query block m_block, staged in sdQ, added into dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
     // of a row). Against adding 8-byte atomics straight from the accumulators after the wait (v7.0), the
     // backward gained 12-18% at hd128 and 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at
     // 0.35-0.78 x (per row, v8) and 0.71-0.94 x (per 64 x 32 swizzled box, v9) of this (docs/kernel_notes.md,
@@ -136,12 +135,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int step = 0; step < kBlockM * kVecsPerRow / kNThreads; ++step) {
             const int idx = step * kNThreads + tid, row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * 4;
-            float4 val = *reinterpret_cast<const float4*>(sdQ + row * kSdqStride + col);
-#pragma unroll
-            for (int part = 1; part < Traits::kDqParts; ++part) {
-                const float4 x = *reinterpret_cast<const float4*>(sdQ + (part * kBlockM + row) * kSdqStride + col);
-                val.x += x.x; val.y += x.y; val.z += x.z; val.w += x.w;
-            }
+            const float4 val = *reinterpret_cast<const float4*>(sdQ + row * kSdqStride + col);
             if (row0 + row < seqlen_q && col < d) {
                 atomicAdd(reinterpret_cast<float4*>(dq_accum + static_cast<int64_t>(row0 + row) * params.d_rounded + col), val);
             }
@@ -165,15 +159,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
     // K-major descriptors of this warpgroup's 64 key rows of K and V (lines 11, 14); the dQ operands (line 16):
-    // dS^T rows (keys) and K rows from dq_key0, K's columns from dq_col0, both M-/N-major.
+    // the 64-query column block dq_row0 / 64 of dS^T (M-major) and K's columns from dq_col0 (N-major).
     const uint32_t wg_rows_bytes = wg * kWarpgroupRows * kSwizzleRowBytes;
     const uint64_t desc_k = make_smem_desc_sw128(sK + wg_rows_bytes, 16, kSwizzleAtomBytes);
     const uint64_t desc_v = make_smem_desc_sw128(sV + wg_rows_bytes, 16, kSwizzleAtomBytes);
-    const uint32_t dq_key0_bytes = Traits::kDqSplitKeys ? wg_rows_bytes : 0;
-    const uint32_t dq_col0_bytes = Traits::kDqSplitKeys ? 0 : wg * (Traits::kDqCols / kSwizzleBlockElems) * kKVColBlockBytes;
-    const uint64_t desc_ds = make_smem_desc_sw128(sdS + dq_key0_bytes, kBlockN * kSwizzleRowBytes, kSwizzleAtomBytes);
-    const uint64_t desc_kt = make_smem_desc_sw128(sK + dq_col0_bytes + dq_key0_bytes, kKVColBlockBytes, kSwizzleAtomBytes);
-    const int dq_col0 = Traits::kDqSplitKeys ? 0 : wg * Traits::kDqCols;
+    const int dq_row0 = Traits::kDqSplitQueries ? wg * kWarpgroupRows : 0;
+    const int dq_col0 = Traits::kDqSplitQueries ? 0 : wg * Traits::kDqCols;
+    const uint64_t desc_ds = make_smem_desc_sw128(sdS + (dq_row0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
+                                                  kSwizzleAtomBytes);
+    const uint64_t desc_kt = make_smem_desc_sw128(sK + (dq_col0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
+                                                  kSwizzleAtomBytes);
 
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
         const int iter = m_block - m_block_min;
@@ -300,7 +295,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         pin_registers(ds_frag);
         // To this warpgroup's part of sdQ (every flush of iteration i-1's tile read it before this iteration's
         // second barrier); flushed by the next iteration, or after the loop.
-        float* part = sdQ + (Traits::kDqSplitKeys ? wg : 0) * kBlockM * kSdqStride + dq_col0;
+        float* part = sdQ + dq_row0 * kSdqStride + dq_col0;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
