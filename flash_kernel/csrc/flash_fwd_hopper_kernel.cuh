@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
     constexpr uint32_t kKStepBytesN = kMmaK * kSwizzleRowBytes;        // 16 keys of V
+    constexpr int kPolyExpEvery = Traits::kPolyExpEvery;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* smem = swizzle_aligned(smem_raw);
@@ -196,8 +197,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             }
 #pragma unroll
             for (int i = 0; i < kNTilesN; ++i) {
-                s[4 * i + 2 * r] = fast_exp2(fmaf(s[4 * i + 2 * r], scale_log2, -max_scaled));
-                s[4 * i + 2 * r + 1] = fast_exp2(fmaf(s[4 * i + 2 * r + 1], scale_log2, -max_scaled));
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float x = fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled);
+                    // Every kPolyExpEvery-th n8 tile off the SFU (hopper_kernel_traits.h).
+                    s[4 * i + 2 * r + e] = kPolyExpEvery > 0 && i % kPolyExpEvery == kPolyExpEvery - 1 ? poly_exp2(x) : fast_exp2(x);
+                }
                 row_sum[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }
         }

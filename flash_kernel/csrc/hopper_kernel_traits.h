@@ -22,7 +22,10 @@ constexpr int kMaxSmemBytesSm90 = 227 * 1024;    // opt-in dynamic shared memory
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
-template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_, int kQKDim_ = kHeadDim_>
+// kPolyExpEvery > 0: the softmax computes the exponentials of every kPolyExpEvery-th n8 tile of S with
+// poly_exp2 (FMA pipe) instead of ex2.approx (SFU).
+template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_, int kQKDim_ = kHeadDim_,
+          int kPolyExpEvery_ = 0>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -30,6 +33,7 @@ struct HopperFwdTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kPolyExpEvery = kPolyExpEvery_;
     // No producer warp: the launch bound of 256 threads leaves 255 registers per thread for S, O and P (~200);
     // 288 threads would cap them at 168 (ptxas allocates for 384) and spill.
     static constexpr int kNWarpgroups = 2;
@@ -58,7 +62,10 @@ template <int kHeadDim, typename Element> struct HopperFwdConfig { static conste
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperFwdTraits<64, 128, 3, 1, E>;
+    // At hd64 a warpgroup's softmax needs as many SFU cycles as its turn on the tensor cores (64 ex2 per thread
+    // against two 64x128x64 matmuls): 1 exponential in 8 by polynomial balances the SFU against the issue slots
+    // the polynomial costs (v13: forward +2 to +4% at T >= 2k; 1 in 4 gained nothing).
+    using Traits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8>;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
