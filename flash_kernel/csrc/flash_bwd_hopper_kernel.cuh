@@ -124,11 +124,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cp_async_commit();
     };
 
-    // dQ of query block m_block, staged in sdQ, added into dq_accum with 16-byte fp32 atomics (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes
-    // of a row). Against adding 8-byte atomics straight from the accumulators after the wait (v7.0), the
-    // backward gained 12-18% at hd128 and 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at
-    // 0.35-0.78 x (per row, v8) and 0.71-0.94 x (per 64 x 32 swizzled box, v9) of this (docs/kernel_notes.md,
-    // "v7 backward", "v8 forward" and "v9 backward").
+    // dQ of query block m_block, staged in sdQ, added into dq_accum with 16-byte fp32 atomics
+    // (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes of a row). Against adding 8-byte
+    // atomics straight from the accumulators after the wait (v7.0), the backward gained 12-18% at hd128 and
+    // 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at 0.35-0.78 x (per row, v8), 0.71-0.94 x
+    // (per 64 x 32 swizzled box, v9) and 0.96-1.06 x at hd128 (the whole tile, from a producer warp: v12's
+    // candidate) of this. This reduction is what holds the hd128 backward below cuDNN: a build without it ran
+    // 1.21-1.24 x faster (docs/kernel_notes.md, "v12 and v13").
     auto flush_dq = [&](int m_block) {
         constexpr int kVecsPerRow = kHeadDim / 4;
         const int row0 = m_block * kBlockM;
