@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at 0.35-0.78 x (per row, v8), 0.71-0.94 x
     // (per 64 x 32 swizzled box, v9) and 0.96-1.06 x at hd128 (the whole tile, from a producer warp: v12's
     // candidate) of this. This reduction is what holds the hd128 backward below cuDNN: a build without it ran
-    // 1.21-1.24 x faster (docs/kernel_notes.md, "v12 and v13").
+    // 1.15-1.25 x faster (docs/kernel_notes.md, "v12 and v13").
     auto flush_dq = [&](int m_block) {
         constexpr int kVecsPerRow = kHeadDim / 4;
         const int row0 = m_block * kBlockM;
