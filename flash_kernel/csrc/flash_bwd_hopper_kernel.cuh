@@ -66,8 +66,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
     unsigned char* sdS_ptr = smem + (sdS - sK);
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
-    float* sDelta = sLse + Traits::kNStages * kBlockM;                      // [kNStages][kBlockM]: D_i
-    float* sdQ = sDelta + Traits::kNStages * kBlockM;  // [kBlockM][kSdqStride]: fp32 dQ_i
+    float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
+    float* sdQ = sDelta + kNStages * kBlockM;          // [kBlockM][kSdqStride]: fp32 dQ_i
     constexpr int kSdqStride = Traits::kSdqStride;
     const uint32_t full_kv = smem_addr(sdQ) + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
@@ -77,9 +77,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int wg = __shfl_sync(0xffffffffu, tid / kWarpgroupThreads, 0);  // warp-uniform: descriptors in uniform registers
     const int lane = tid % kWarpSize;
     const int g = lane / 4, t = lane % 4;
-    // This thread's accumulator rows (keys of S^T, dP^T, dK, dV; queries of dQ): my_row and my_row + 8 of its
-    // warpgroup's 64, columns 8i + 2t + {0, 1} of every n8 tile i (wgmma.cuh).
+    // This thread's accumulator rows (keys of S^T, dP^T, dK, dV; queries of dQ): wg_row and wg_row + 8 of its
+    // warpgroup's 64, columns 8i + 2t + {0, 1} of every n8 tile i (wgmma.cuh); its keys are block rows
+    // key_row and key_row + 8 (K_j, dS^T, dK_j and dV_j rows).
     const int wg_row = ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
+    const int key_row = wg * kWarpgroupRows + wg_row;
     const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, d = params.d;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
     const float scale_log2 = params.scale_softmax_log2;
@@ -213,13 +215,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // overflow) and, on diagonal blocks, keys a query may not see; then P^T = exp2(S^T scale log2e - L log2e).
         wgmma_wait<1>();
         pin_registers(s);
-        const int key_row = key0 + wg * kWarpgroupRows + wg_row;  // this thread's keys: key_row, key_row + 8
         if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset)) {
 #pragma unroll
             for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = key_row + (e >= 2 ? 8 : 0);
+                    const int key = key0 + key_row + (e >= 2 ? 8 : 0);
                     const int query = query0 + i * kMmaN + 2 * t + (e & 1);
                     if (key >= seqlen_k || (kIsCausal && key > query + causal_offset)) s[4 * i + e] = -INFINITY;
                 }
@@ -255,12 +256,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int r = 0; r < 4; ++r) ds_frag[kk][r] = pack2<Element>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
         }
-        const int ds_row = wg * kWarpgroupRows + wg_row;
 #pragma unroll
         for (int i = 0; i < kNTilesM; ++i) {
             const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds queries 8i..8i+7
-            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(ds_row, i) + within) = ds_frag[i / 2][(i % 2) * 2];
-            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(ds_row + 8, i) + within) =
+            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row, i) + within) = ds_frag[i / 2][(i % 2) * 2];
+            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row + 8, i) + within) =
                 ds_frag[i / 2][(i % 2) * 2 + 1];
         }
 
@@ -312,13 +312,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // completed), in the swizzled layout, then 16-byte rows to global memory.
     __syncthreads();
     if (m_block_min < m_block_max) flush_dq(m_block_max - 1);  // the last query block's dQ
-    const int out_row = wg * kWarpgroupRows + wg_row;
 #pragma unroll
     for (int i = 0; i < kNTilesD; ++i) {
         const int within = 2 * t * static_cast<int>(sizeof(Element));
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint32_t off = swizzled_chunk_offset<kBlockN>(out_row + 8 * r, i) + within;
+            const uint32_t off = swizzled_chunk_offset<kBlockN>(key_row + 8 * r, i) + within;
             *reinterpret_cast<uint32_t*>(smem + off) =
                 pack2<Element>(acc_dk[4 * i + 2 * r] * params.scale_softmax, acc_dk[4 * i + 2 * r + 1] * params.scale_softmax);
             *reinterpret_cast<uint32_t*>(smem + Traits::kSmemKVBytes + off) =
