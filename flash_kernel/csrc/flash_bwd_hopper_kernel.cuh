@@ -15,8 +15,8 @@
 //            dS^T -> shared memory (swizzled, keys x queries); block barrier
 //   line 16  dQ_i += dS_i K_j          ss: A = dS^T read M-major (transposed by the instruction), B = K (N-major);
 //            each warpgroup 64 queries x kDqCols over all 128 keys (hopper_bwd_traits.h), staged in shared
-//            memory (fp32) and added into dq_accum with 16-byte atomics by iteration i+1 while its S^T and
-//            dP^T are on the tensor cores (or after the loop).
+//            memory (fp32) and added into dq_accum with 16-byte atomics by iteration i+1 while its S^T, dP^T,
+//            dV and dK are on the tensor cores (or after the loop).
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
@@ -132,12 +132,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at 0.35-0.78 x (per row, v8), 0.71-0.94 x
     // (per 64 x 32 swizzled box, v9) and 0.96-1.06 x at hd128 (the whole tile, from a producer warp: v12's
     // candidate) of this. This reduction is what holds the hd128 backward below cuDNN: a build without it ran
-    // 1.15-1.25 x faster (docs/kernel_notes.md, "v12 and v13").
-    auto flush_dq = [&](int m_block) {
-        constexpr int kVecsPerRow = kHeadDim / 4;
+    // 1.15-1.25 x faster (docs/kernel_notes.md, "v12 and v13"). Steps [step_begin, step_end) of kFlushSteps:
+    // three quarters go out while S^T and dP^T are on the tensor cores, the rest while dV and dK are (v14:
+    // hd128 backward +3-5% against all of it during S^T and dP^T; the flush's own share of the reduce traffic
+    // then overlaps twice the tensor-core time).
+    constexpr int kVecsPerRow = kHeadDim / 4;
+    constexpr int kFlushSteps = kBlockM * kVecsPerRow / kNThreads;
+    constexpr int kFlushEarlySteps = kFlushSteps * 3 / 4;
+    auto flush_dq = [&](int m_block, int step_begin, int step_end) {
         const int row0 = m_block * kBlockM;
 #pragma unroll
-        for (int step = 0; step < kBlockM * kVecsPerRow / kNThreads; ++step) {
+        for (int step = step_begin; step < step_end; ++step) {
             const int idx = step * kNThreads + tid, row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * 4;
             const float4 val = *reinterpret_cast<const float4*>(sdQ + row * kSdqStride + col);
             if (row0 + row < seqlen_q && col < d) {
@@ -208,8 +213,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_commit();
 
         // Iteration i-1's dQ tile, staged in shared memory before this iteration's first barrier, goes out
-        // while S^T and dP^T are on the tensor cores.
-        if (m_block > m_block_min) flush_dq(m_block - 1);
+        // while S^T and dP^T are on the tensor cores (its last quarter while dV and dK are).
+        if (m_block > m_block_min) flush_dq(m_block - 1, 0, kFlushEarlySteps);
 
         // Line 12 while dP^T runs: mask keys past Tk (zero-filled K rows would give P = exp(-L), which can
         // overflow) and, on diagonal blocks, keys a query may not see; then P^T = exp2(S^T scale log2e - L log2e).
@@ -277,6 +282,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Wgmma<Element, kHeadDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
         }
         wgmma_commit();
+        if (m_block > m_block_min) flush_dq(m_block - 1, kFlushEarlySteps, kFlushSteps);
 
         // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K.
         fence_view_async_shared();
@@ -295,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         pin_registers(dq);
         pin_registers(p_frag);
         pin_registers(ds_frag);
-        // To this warpgroup's part of sdQ (every flush of iteration i-1's tile read it before this iteration's
+        // To this warpgroup's part of sdQ (both parts of iteration i-1's flush read it before this iteration's
         // second barrier); flushed by the next iteration, or after the loop.
         float* part = sdQ + dq_row0 * kSdqStride + dq_col0;
 #pragma unroll
@@ -311,7 +317,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them
     // completed), in the swizzled layout, then 16-byte rows to global memory.
     __syncthreads();
-    if (m_block_min < m_block_max) flush_dq(m_block_max - 1);  // the last query block's dQ
+    if (m_block_min < m_block_max) flush_dq(m_block_max - 1, 0, kFlushSteps);  // the last query block's dQ
 #pragma unroll
     for (int i = 0; i < kNTilesD; ++i) {
         const int within = 2 * t * static_cast<int>(sizeof(Element));
