@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // candidate) of this. This reduction is what holds the hd128 backward below cuDNN: a build without it ran
     // 1.15-1.25 x faster (docs/kernel_notes.md, "v12 and v13"). Steps [step_begin, step_end) of kFlushSteps:
     // three quarters go out while S^T and dP^T are on the tensor cores, the rest while dV and dK are (v14:
-    // hd128 backward +3-5% against all of it during S^T and dP^T; the flush's own share of the reduce traffic
-    // then overlaps twice the tensor-core time).
+    // hd128 backward +3-5% over the whole flush between the S^T / dP^T issue and the softmax, on its path;
+    // other splits in docs/kernel_notes.md, "v14").
     constexpr int kVecsPerRow = kHeadDim / 4;
     constexpr int kFlushSteps = kBlockM * kVecsPerRow / kNThreads;
     constexpr int kFlushEarlySteps = kFlushSteps * 3 / 4;
