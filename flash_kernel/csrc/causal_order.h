@@ -45,6 +45,13 @@ __device__ __forceinline__ BlockCoord causal_block_order(int group_heads) {
     const uint32_t pair = first + (in_group - rank * heads_here);
     return {static_cast<int>(n_blocks - 1 - rank), static_cast<int>(pair % heads), static_cast<int>(pair / heads)};
 }
+
+// A forward thread block's (query block, head, batch): the order above when causal, else the grid's own.
+template <bool kIsCausal>
+__device__ __forceinline__ BlockCoord fwd_block_coord(int group_heads) {
+    if constexpr (kIsCausal) return causal_block_order(group_heads);
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+}
 #endif
 
 }  // namespace flash

@@ -68,8 +68,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto empty_v = [&](int stage) { return bars + 8 * (3 * kNStages + stage); };
 
     // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
-    const BlockCoord coord = kIsCausal ? causal_block_order(params.causal_group_heads)
-                                       : BlockCoord{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    const BlockCoord coord = fwd_block_coord<kIsCausal>(params.causal_group_heads);
     const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int seqlen_q = params.seqlen_q;
@@ -199,9 +198,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             for (int i = 0; i < kNTilesN; ++i) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float x = fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled);
                     // Every kPolyExpEvery-th n8 tile off the SFU (hopper_kernel_traits.h).
-                    s[4 * i + 2 * r + e] = kPolyExpEvery > 0 && i % kPolyExpEvery == kPolyExpEvery - 1 ? poly_exp2(x) : fast_exp2(x);
+                    s[4 * i + 2 * r + e] = softmax_exp2<kPolyExpEvery>(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled), i);
                 }
                 row_sum[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }

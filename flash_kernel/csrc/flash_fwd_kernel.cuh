@@ -53,8 +53,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     Element* sV = sK + Traits::kNStages * Traits::kSmemKVTileElems;  // [kNStages][kBlockN][kStride]
 
     // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
-    const BlockCoord coord = kIsCausal ? causal_block_order(params.causal_group_heads)
-                                       : BlockCoord{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    const BlockCoord coord = fwd_block_coord<kIsCausal>(params.causal_group_heads);
     const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int warp = tid / kWarpSize;

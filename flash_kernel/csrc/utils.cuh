@@ -105,6 +105,15 @@ __device__ __forceinline__ float poly_exp2(float x) {
     p = fmaf(p, f, 1.f);
     return __int_as_float(__float_as_int(p) + j * (1 << 23));
 }
+// The softmax's 2^x for n8 tile `tile` of S: every kPolyEvery-th tile by poly_exp2, the rest (all, for
+// kPolyEvery = 0) by ex2.approx.
+template <int kPolyEvery>
+__device__ __forceinline__ float softmax_exp2(float x, int tile) {
+    if constexpr (kPolyEvery > 0) {
+        if (tile % kPolyEvery == kPolyEvery - 1) return poly_exp2(x);
+    }
+    return fast_exp2(x);
+}
 
 // Reduce over the 4 lanes (t = lane % 4) that share one accumulator row.
 __device__ __forceinline__ float quad_max(float x) {
