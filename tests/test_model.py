@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model.attention import ATTENTION, get_attention, naive_attention, sdpa_attention
-from model.gpt import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig, LayerNorm
+from model.loss import next_token_loss
 
 
 def _qkv(B=2, Tq=37, Tk=37, Hq=4, Hkv=4, D=32, dtype=torch.float32, seed=0):
@@ -100,3 +101,88 @@ def test_activation_checkpointing_gives_same_grads():
 
 def test_registry_has_the_three_config_words():
     assert {"naive", "sdpa", "flash"} <= set(ATTENTION)
+
+
+def _ln_input_dtypes(model, idx):
+    """The dtype each LayerNorm sees in one autocast (bf16, CPU) forward + backward of `model`."""
+    seen = {}
+
+    def record(name):
+        def hook(module, args, out):
+            seen[name] = (args[0].dtype, out.dtype)  # returns None: the output stays as it is
+        return hook
+
+    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = next_token_loss(model(idx), idx)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    return seen, loss
+
+
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_residual_stream_dtype_under_autocast(fp32_residual):
+    """bf16 by default (every LayerNorm reads and writes bf16), fp32 with fp32_residual=true; the parameters
+    and their gradients stay fp32 either way, and the two give nearly the same loss."""
+    idx = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(3))
+    ref = _tiny("sdpa")
+    model = GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, fp32_residual=fp32_residual))
+    model.load_state_dict(ref.state_dict())
+    seen, loss = _ln_input_dtypes(model, idx)
+    want = torch.float32 if fp32_residual else torch.bfloat16
+    assert len(seen) == 5 and all(dtypes == (want, want) for dtypes in seen.values()), seen
+    assert loss.dtype == torch.float32
+    for name, p in model.named_parameters():
+        assert p.dtype == p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
+    exact = next_token_loss(ref(idx), idx)  # fp32 throughout, no autocast
+    torch.testing.assert_close(loss, exact, atol=0.02, rtol=0)
+
+
+def test_layernorm_keeps_bf16_and_matches_fp32():
+    """On a bf16 input under autocast: a bf16 output within bf16 rounding of the fp32 LayerNorm of the same
+    values, and gradients for the fp32 weight and bias."""
+    torch.manual_seed(0)
+    ln = LayerNorm(64)
+    with torch.no_grad():
+        ln.weight.normal_(1.0, 0.1)
+        ln.bias.normal_(0.0, 0.1)
+    x = (torch.randn(8, 64) * 3 + 1).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.bfloat16
+    ref = torch.nn.functional.layer_norm(x.detach().float(), (64,), ln.weight, ln.bias)
+    torch.testing.assert_close(y.float(), ref, atol=0.03, rtol=0.02)
+    y.float().sum().backward()
+    assert ln.weight.grad.dtype == torch.float32 and ln.weight.grad.abs().sum() > 0
+    assert x.grad.dtype == torch.bfloat16
+
+
+def test_without_autocast_fp32_residual_changes_nothing():
+    idx = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(4))
+    a = _tiny("sdpa")
+    b = GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, fp32_residual=True))
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a(idx), b(idx))
+
+
+def test_next_token_loss_is_fp32_cross_entropy():
+    logits = torch.randn(2, 5, 320, generator=torch.Generator().manual_seed(5)).bfloat16()
+    targets = torch.randint(0, 320, (2, 5), generator=torch.Generator().manual_seed(6))
+    loss = next_token_loss(logits, targets)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.float().view(10, 320), targets.view(10)))
+
+
+def test_compile_covers_the_loss_and_keeps_its_value():
+    """compile=true compiles the loss with the model (its fp32 cast fuses into the cross-entropy), and the
+    compiled step gives the eager step's loss."""
+    from model.lit_gpt import LitGPT
+
+    kwargs = dict(vocab_size=300, seq_len=64, n_layer=1, n_head=2, d_model=32, attention="sdpa")
+    eager, compiled = LitGPT(model=kwargs), LitGPT(model=kwargs, compile=True)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.configure_model()
+    assert eager.loss_fn is next_token_loss and compiled.loss_fn is not next_token_loss
+    batch = tuple(torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7)) for _ in range(2))
+    torch.testing.assert_close(compiled._loss(batch), eager._loss(batch), atol=1e-5, rtol=1e-5)
