@@ -43,6 +43,7 @@ from bench.common import can_plot, device_slug, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
+from model.loss import next_token_loss  # noqa: E402
 from train import TrainingOutOfMemory, train  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -128,27 +129,36 @@ def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, com
     return _rates(launch_train(overrides, run_dir))
 
 
-def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
-    """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
-    mcfg = _compose([f"model={model}"]).model
+def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, **model_overrides):
+    """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (compiled
+    with the model when compile), fused AdamW, clipping. Returns (step, GPTConfig); model_overrides set
+    GPTConfig fields (e.g. fp32_residual=True)."""
+    mcfg = {**_compose([f"model={model}"]).model, **model_overrides}
     cfg = GPTConfig(**mcfg, vocab_size=50257, seq_len=seq_len, attention=attention)
     torch.manual_seed(0)
     gpt = GPT(cfg).cuda()
+    loss_fn = next_token_loss
     if compile:
         gpt.compile()
+        loss_fn = torch.compile(next_token_loss)
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device="cuda")
     inp, tgt = x[:, :-1], x[:, 1:]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = gpt(inp)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
+            loss = loss_fn(gpt(inp), tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, cfg
+
+
+def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+    """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
+    step, cfg = bare_step(model, seq_len, batch, attention, compile)
     torch.cuda.reset_peak_memory_stats()
     dt = seconds_per_call(step, warmup, steps)
     tokens_per_s = batch * seq_len / dt
@@ -195,8 +205,16 @@ def _gpus(r: dict) -> tuple[int, str]:
 
 
 def _attention(r: dict) -> str:
-    """attention=flash rows carry the kernel version they ran (flash_kernel.KERNEL_VERSION): 'flash v5'."""
-    return f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
+    """attention=flash rows carry the kernel version they ran (flash_kernel.KERNEL_VERSION): 'flash v5';
+    rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual'. Rows
+    from before that option carry no 'residual' field: they ran an fp32 residual stream."""
+    name = f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
+    return f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
+
+
+def residual_dtype(model: str) -> str:
+    """'bf16' or 'fp32': the residual stream a model's config runs under bf16 autocast (model/gpt.py)."""
+    return "fp32" if _compose([f"model={model}"]).model.get("fp32_residual", False) else "bf16"
 
 
 def _key(r: dict) -> tuple:
@@ -326,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                         gpus=gpus, strategy=strategy, **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
+                         gpus=gpus, strategy=strategy, residual=residual_dtype(model),
+                         **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
                 new.append(r)
                 print(
                     f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "

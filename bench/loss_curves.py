@@ -1,4 +1,5 @@
-"""Do N GPUs train the same model as one? Loss curves of 1 vs N GPUs for the same global batch.
+"""Do N GPUs train the same model as one? Loss curves of 1 vs N GPUs for the same global batch. With
+--vs, the same question for a config change: loss curves of the defaults vs the overrides, on one GPU.
 
 Both runs go through train.py as users launch it, with the same seed and global batch
 (global_batch_tokens = N × data.batch_size × seq_len):
@@ -12,6 +13,7 @@ is plotted as logged (rank 0's last micro-batch), smoothed.
 
     python bench/loss_curves.py --gpus 2                      # GPT3-125M, 1k context, 200 steps
     python bench/loss_curves.py --gpus 2 --strategy fsdp --attention sdpa
+    python bench/loss_curves.py --vs model.fp32_residual=true  # bf16 vs fp32 residual stream, 1 GPU
     python bench/loss_curves.py --plot-only
 
 Writes bench/results/loss_curves.json (one entry per device and setting) and loss_curves_<device>.png.
@@ -55,35 +57,56 @@ def compare(one: dict, multi: dict) -> dict:
     return {"val_steps": common, "max_abs_val_diff": max(diffs), "max_rel_val_diff": max(d / a[s] for d, s in zip(diffs, common))}
 
 
+def plan(args: argparse.Namespace) -> tuple[tuple[str, int, str, list[str]], ...]:
+    """The two runs: (name, GPUs, conf/trainer name, extra overrides) each."""
+    if args.vs:
+        return ("base", 1, "gpu", []), ("vs", 1, "gpu", list(args.vs))
+    return ("one", 1, "gpu", []), ("multi", args.gpus, args.strategy, [])
+
+
+def labels(entry: dict) -> dict[str, str]:
+    """Legend text per run name (entries written before --vs carry no labels: the 1 vs N GPU pair)."""
+    return entry.get("labels") or {"one": "1 GPU (accumulating)", "multi": f"{entry['gpus']} GPUs ({entry['strategy']})"}
+
+
 def run(args: argparse.Namespace) -> dict:
-    tokens = args.gpus * args.batch * args.seq_len
+    runs = plan(args)
+    gpus_max = max(gpus for _, gpus, _, _ in runs)
+    tokens = gpus_max * args.batch * args.seq_len
     common = [
         f"model={args.model}", f"attention={args.attention}", f"seq_len={args.seq_len}", f"data.batch_size={args.batch}",
         f"global_batch_tokens={tokens}", f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=5",
         "logger=csv", "~callbacks.checkpoint", "+trainer.enable_checkpointing=false", f"seed={args.seed}",
     ]
-    tag = f"{args.model}_{args.seq_len}_{args.attention}_{args.gpus}x{args.strategy}"
+    vs = " ".join(args.vs)
+    tag = f"{args.model}_{args.seq_len}_{args.attention}_" + (
+        "vs_" + "_".join(o.replace("=", "-") for o in args.vs) if vs else f"{args.gpus}x{args.strategy}")
     curves = {}
-    for name, gpus, trainer in (("one", 1, "gpu"), ("multi", args.gpus, args.strategy)):
-        accumulation = args.gpus // gpus
+    for name, gpus, trainer, extra in runs:
+        accumulation = gpus_max // gpus
         # val_check_interval counts micro-batches: validate at the same optimizer steps in both runs
         overrides = [*common, f"trainer={trainer}", f"trainer.devices={gpus}",
-                     f"trainer.val_check_interval={args.val_every * accumulation}"]
+                     f"trainer.val_check_interval={args.val_every * accumulation}", *extra]
         run_dir = RESULTS / "runs" / f"loss_{tag}_{name}"
         metrics = launch_train(overrides, run_dir, timeout=args.timeout)
         (metrics_csv,) = (run_dir / "csv").rglob("metrics.csv")
         curves[name] = {**read_curves(metrics_csv), "tokens_per_s": metrics.get("perf/tokens_per_s"), "gpus": gpus}
-        print(f"[loss] {name}: {gpus} GPU(s), final val/loss {curves[name]['val/loss'][-1][1]:.4f}", flush=True)
-    return {
+        print(f"[loss] {name}: {gpus} GPU(s) {' '.join(extra)}, final val/loss {curves[name]['val/loss'][-1][1]:.4f}",
+              flush=True)
+    (a, _, _, _), (b, _, _, _) = runs
+    entry = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
-        "model": args.model, "seq_len": args.seq_len, "attention": args.attention, "gpus": args.gpus,
-        "strategy": args.strategy, "global_batch_tokens": tokens, "steps": args.steps, "seed": args.seed,
-        **compare(curves["one"], curves["multi"]), "curves": curves,
+        "model": args.model, "seq_len": args.seq_len, "attention": args.attention, "gpus": gpus_max,
+        "strategy": args.strategy if gpus_max > 1 else "single", "global_batch_tokens": tokens, "steps": args.steps,
+        "seed": args.seed, **compare(curves[a], curves[b]), "curves": curves,
     }
+    if vs:
+        entry.update(vs=vs, labels={"base": "defaults", "vs": vs})
+    return entry
 
 
 def _key(r: dict) -> tuple:
-    return (r["device"], r["model"], r["seq_len"], r["attention"], r["gpus"], r["strategy"])
+    return (r["device"], r["model"], r["seq_len"], r["attention"], r["gpus"], r["strategy"], r.get("vs"), r["steps"])
 
 
 def plot(entries: list[dict], path: Path) -> None:
@@ -94,19 +117,19 @@ def plot(entries: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 4.2), squeeze=False)
     for ax, e in zip(axes[0], entries):
-        for name, style in (("one", "-"), ("multi", "--")):
-            c = e["curves"][name]
-            label = "1 GPU (accumulating)" if name == "one" else f"{e['gpus']} GPUs ({e['strategy']})"
+        for (name, c), style in zip(e["curves"].items(), ("-", "--")):
+            label = labels(e)[name]
             steps, losses = zip(*c["train/loss"])
             smooth = [sum(losses[max(0, i - 4):i + 1]) / len(losses[max(0, i - 4):i + 1]) for i in range(len(losses))]
             ax.plot(steps, smooth, style, alpha=0.6, label=f"train, {label}")
             vsteps, vloss = zip(*c["val/loss"])
             ax.plot(vsteps, vloss, style, marker="o", label=f"val, {label}")
-        ax.set_title(f"{e['model']} T={e['seq_len']} {e['attention']}: max |Δ val| = {e['max_abs_val_diff']:.4f}", fontsize=9)
+        ax.set_title(f"{e['model']} T={e['seq_len']} {e['attention']}, {e['global_batch_tokens']} tokens per step: "
+                     f"max |Δ val| = {e['max_abs_val_diff']:.4f}", fontsize=8)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Same global batch ({entries[0]['global_batch_tokens']} tokens), same seed — {entries[0]['device']}", fontsize=10)
+    fig.suptitle(f"Same global batch, same seed — {entries[0]['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -115,6 +138,8 @@ def plot(entries: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--vs", nargs="+", default=[], metavar="OVERRIDE",
+                    help="compare the defaults with these train.py overrides on one GPU, instead of 1 vs --gpus GPUs")
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
     ap.add_argument("--model", default="gpt3-125m")
     ap.add_argument("--attention", default="flash")
@@ -130,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
     entries = json.loads(args.out.read_text()) if args.out.is_file() else []
     if not args.plot_only:
-        if torch.cuda.device_count() < args.gpus:
+        if torch.cuda.device_count() < (1 if args.vs else args.gpus):
             raise SystemExit(f"--gpus {args.gpus} but this machine has {torch.cuda.device_count()} GPU(s)")
         new = run(args)
         entries = [e for e in entries if _key(e) != _key(new)] + [new]

@@ -62,3 +62,14 @@ def test_multi_gpu_rows_show_per_gpu_scaling_against_one_gpu(tmp_path):
     assert set(lines) == {"1", "2 ddp"}
     assert "| 0.970 |" in lines["2 ddp"]  # 194 / 200 tokens/s per GPU
     e2e.plot(rows, tmp_path / "e2e.png")
+
+
+def test_rows_name_the_residual_stream_they_ran():
+    """Rows from the bf16 residual stream are their own case, next to the fp32-stream rows measured before
+    (which carry no 'residual' field), in the JSON, the table and the figure."""
+    assert e2e.residual_dtype("gpt3-1.3b") == "bf16"  # the model configs' default
+    old, new = _row("pipeline", "flash", 190.0), {**_row("pipeline", "flash", 210.0), "residual": "bf16"}
+    assert e2e._attention(old) == "flash" and e2e._attention(new) == "flash, bf16 residual"
+    assert e2e._key(old) != e2e._key(new)
+    md = e2e.table([old, new])
+    assert "| flash | no |" in md and "| flash, bf16 residual | no |" in md

@@ -1,0 +1,60 @@
+"""bench/profile_step.py's bookkeeping on CPU: kernel names land in the right category, --set parses."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location(
+    "bench_profile_step", Path(__file__).resolve().parents[1] / "bench" / "profile_step.py")
+profile_step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_step)
+
+# Kernel names as torch.profiler reports them on an H100 (torch 2.11, CUDA 13), shortened where long.
+KERNELS = {
+    "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT": "matmul",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas": "matmul",
+    "void flash::flash_bwd_kernel_sm90<flash::BwdTraits<128, true> >(flash::BwdParams)": "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+    "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, false>(int, float)": "LayerNorm",
+    "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<float, float, 32u, 16u, 64u, true>": "LayerNorm",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&)>": "GELU",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)>": "dtype casts and copies",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": "cross-entropy",
+    "void at::native::multi_tensor_apply_kernel<at::native::FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor<float, 4>>": "AdamW",
+    "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<1>, LpNormFunctor<float, 2>>": "reductions",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, sum_functor>>>": "reductions",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>>": "elementwise",
+    "triton_red_fused__to_copy_native_layer_norm_0": "LayerNorm",
+    "triton_poi_fused_add_gelu_3": "GELU",
+    "triton_red_fused__log_softmax_nll_loss_forward_1": "cross-entropy",
+    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>": "matmul",
+    "Memset (Device)": "other",
+}
+
+
+@pytest.mark.parametrize("name, want", KERNELS.items())
+def test_category(name, want):
+    assert profile_step.category(name) == want
+
+
+def test_summarize_sums_by_category_and_in_total():
+    cats = profile_step.summarize({"nvjet_a": 2.0, "nvjet_b": 3.0, "triton_poi_fused_add_gelu_3": 1.5, "Memset": 0.5})
+    assert cats == {"matmul": 5.0, "GELU": 1.5, "other": 0.5, "all kernels": 7.0}
+    assert list(cats)[:3] == ["matmul", "GELU", "other"]  # largest first
+
+
+def test_set_values_parse_and_errors_name_the_flag():
+    assert profile_step.parse_sets(["fp32_residual=true", "dropout=0.1", "n_layer=2", "attention=sdpa"]) == {
+        "fp32_residual": True, "dropout": 0.1, "n_layer": 2, "attention": "sdpa"}
+    with pytest.raises(SystemExit, match="expected key=value"):
+        profile_step.parse_sets(["fp32_residual"])
+
+
+def test_table_shows_shares_and_largest_kernels():
+    row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash", "compile": False,
+           "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0, "Memset": 2.0}),
+           "kernels": {"nvjet_a": 6.0, "Memset": 2.0}}
+    md = profile_step.table(row, top=1)
+    assert "| matmul | 6.0 | 75.0% |" in md and "| all kernels | 8.0 | 100.0% |" in md
+    assert "`nvjet_a`" in md and "`Memset`" not in md
