@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> None:
 
     entries = json.loads(args.out.read_text()) if args.out.is_file() else []
     if not args.plot_only:
-        if torch.cuda.device_count() < (1 if args.vs else args.gpus):
-            raise SystemExit(f"--gpus {args.gpus} but this machine has {torch.cuda.device_count()} GPU(s)")
+        need = 1 if args.vs else args.gpus
+        if torch.cuda.device_count() < need:
+            raise SystemExit(f"{'--vs' if args.vs else f'--gpus {need}'} needs {need} GPU(s) but this machine has "
+                             f"{torch.cuda.device_count()}")
         new = run(args)
         entries = [e for e in entries if _key(e) != _key(new)] + [new]
         args.out.parent.mkdir(parents=True, exist_ok=True)
