@@ -23,6 +23,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -89,26 +90,13 @@ def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float]:
     return kernel_times(prof, steps), wall_ms
 
 
-def _value(text: str):
-    """--set values: true/false, ints and floats as such, anything else as a string."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_sets(items: list[str]) -> dict:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--set {item!r}: expected key=value, a GPTConfig field (e.g. fp32_residual=true)")
-        out[key] = _value(value)
+        out[key] = yaml.safe_load(value)  # as Hydra reads an override: true -> True, 0.1 -> 0.1, sdpa -> 'sdpa'
     return out
 
 
