@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
+from model.attention import get_qkvpacked_attention  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig  # noqa: E402
 from model.loss import next_token_loss  # noqa: E402
@@ -206,10 +207,12 @@ def _gpus(r: dict) -> tuple[int, str]:
 
 def _attention(r: dict) -> str:
     """attention=flash rows carry the kernel version they ran (flash_kernel.KERNEL_VERSION): 'flash v5';
-    rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual'. Rows
-    from before that option carry no 'residual' field: they ran an fp32 residual stream."""
+    rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual', and
+    rows whose blocks passed the fused qkv whole (model/attention.py's qkv-packed form): '..., qkv packed'.
+    Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views."""
     name = f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
-    return f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
+    name = f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
+    return f"{name}, qkv packed" if r.get("qkv") == "packed" else name
 
 
 def residual_dtype(model: str) -> str:
@@ -347,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model),
+                         qkv="packed" if get_qkvpacked_attention(attn) else "views",
                          **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
                 new.append(r)
                 print(

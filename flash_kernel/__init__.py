@@ -2,6 +2,8 @@
 
 - `flash_attn_func(q, k, v, causal=True, softmax_scale=None, deterministic=False)`: (B, T, H, D) attention
   on CUDA via the custom ops `flash_kernel::fwd` / `flash_kernel::bwd` (interface.py);
+- `flash_attn_qkvpacked_func(qkv, ...)`: the same on a fused projection's qkv (B, T, 3, H, D), whose gradient
+  the backward writes as one tensor;
 - `is_available()` / `unavailable_reason()`: whether the compiled `flash_kernel._C` can run here;
 - `flash_kernel.reference`: the same tiled algorithm in PyTorch, CPU-runnable (reference_fwd/bwd/attn_func),
   and `naive_attention`, the materialised-softmax oracle the tests compare against.
@@ -16,6 +18,7 @@ from flash_kernel.interface import (
     check_bwd_inputs,
     check_inputs,
     flash_attn_func,
+    flash_attn_qkvpacked_func,
     is_available,
     unavailable_reason,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "check_bwd_inputs",
     "check_inputs",
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
     "is_available",
     "naive_attention",
     "reference_attn_func",

@@ -1,14 +1,18 @@
 """The PyTorch face of the FlashAttention-2 CUDA extension: custom ops, fake impls, autograd, input checks.
 
 Kernel: FlashAttention-2 (Dao, 2023), Algorithm 1 forward and Algorithm 2 backward, in flash_kernel/csrc.
-Here it becomes two torch.library custom ops,
+Here it becomes torch.library custom ops,
 
     flash_kernel::fwd(q, k, v, softmax_scale, causal, deterministic) -> (o, lse)
     flash_kernel::bwd(do, q, k, v, o, lse, softmax_scale, causal, deterministic) -> (dq, dk, dv)
+    flash_kernel::fwd_qkvpacked(qkv, softmax_scale, causal, deterministic) -> (o, lse)
+    flash_kernel::bwd_qkvpacked(do, qkv, o, lse, softmax_scale, causal, deterministic) -> dqkv
 
 with fake (meta) implementations and autograd registered, so torch.compile(fullgraph=True) traces
-through them without graph breaks and torch.library.opcheck passes. `flash_attn_func` is the user entry:
-under torch.compile it calls the ops; in eager mode it calls the same kernels through a plain
+through them without graph breaks and torch.library.opcheck passes. The packed pair runs the same
+kernels on qkv (B, T, 3, H, D) and writes the gradient as one dqkv tensor (no stack of dq, dk, dv).
+`flash_attn_func` / `flash_attn_qkvpacked_func` are the user entries:
+under torch.compile they call the ops; in eager mode they call the same kernels through a plain
 torch.autograd.Function, because torch.library's per-call layers (dispatch, aliasing checks, the
 registered autograd) cost about 0.4 ms of host time per forward + backward, more than the GPU time of a
 small attention call (docs/kernel_notes.md, "Host time per call").
@@ -72,7 +76,7 @@ def _load_C() -> ModuleType:
 
 
 def _fail(msg: str) -> None:
-    raise ValueError(f"flash_attn_func: {msg}")
+    raise ValueError(f"flash_kernel: {msg}")
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_device: bool = True) -> None:
@@ -239,19 +243,21 @@ def _kernel_friendly(t: torch.Tensor) -> bool:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    # inputs: (q, k, v, ...) for fwd, (qkv, ...) for fwd_qkvpacked; then softmax_scale, causal, deterministic.
+    *tensors, softmax_scale, causal, deterministic = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(*tensors, o, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
 
 
 def _grads(bwd, ctx, do):
-    """dq, dk, dv and no gradient for the non-tensor inputs, through `bwd` (the op or its implementation)."""
-    q, k, v, o, lse = ctx.saved_tensors
+    """The inputs' gradients (dq, dk, dv, or dqkv) through `bwd` (an op or its implementation), and none for
+    the three non-tensor inputs."""
+    *tensors, o, lse = ctx.saved_tensors
     if not _kernel_friendly(do):  # e.g. the expanded gradient of a .sum(): all strides 0
         do = do.contiguous()
-    dq, dk, dv = bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    grads = bwd(do, *tensors, o, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return (*(grads if isinstance(grads, tuple) else (grads,)), None, None, None)
 
 
 def _backward(ctx, do, dlse):
@@ -261,6 +267,72 @@ def _backward(ctx, do, dlse):
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------- qkv packed
+# The model's fused projection gives one (B, T, 3, H, D) tensor. Called with its three views, autograd
+# stacks dq, dk and dv back into one tensor after the backward (unbind's backward: a copy of 3 x B T H D
+# elements per layer, 3.3 ms of a GPT3-1.3B step at 8k). Here the backward writes them into one dqkv
+# buffer instead: the kernels take strided outputs, so each is a view of it.
+
+
+def _check_qkv_packed(qkv: torch.Tensor) -> None:
+    if not isinstance(qkv, torch.Tensor):
+        _fail(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        _fail(f"qkv must have shape (B, T, 3, H, D), got {tuple(qkv.shape)}")
+
+
+@torch.library.custom_op("flash_kernel::fwd_qkvpacked", mutates_args=())
+def _fwd_qkvpacked(
+    qkv: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_qkv_packed(qkv)
+    check_inputs(*qkv.unbind(dim=2))
+    return _fwd_impl(*qkv.unbind(dim=2), softmax_scale, causal)
+
+
+@_fwd_qkvpacked.register_fake
+def _fwd_qkvpacked_fake(qkv, softmax_scale, causal, deterministic):
+    _check_qkv_packed(qkv)
+    return _fwd_fake(*qkv.unbind(dim=2), softmax_scale, causal, deterministic)
+
+
+@torch.library.custom_op("flash_kernel::bwd_qkvpacked", mutates_args=())
+def _bwd_qkvpacked(
+    do: torch.Tensor,
+    qkv: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+) -> torch.Tensor:
+    _check_qkv_packed(qkv)
+    check_bwd_inputs(do, *qkv.unbind(dim=2), o, lse)
+    return _bwd_qkvpacked_impl(do, qkv, o, lse, softmax_scale, causal, deterministic)
+
+
+def _bwd_qkvpacked_impl(do, qkv, o, lse, softmax_scale: float, causal: bool, deterministic: bool) -> torch.Tensor:
+    """The backward kernels on checked inputs: dqkv (B, T, 3, H, D), dq / dk / dv written as its views."""
+    C = _load_C()
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    C.bwd(do, *qkv.unbind(dim=2), o, lse, *dqkv.unbind(dim=2), softmax_scale, causal, deterministic)
+    return dqkv
+
+
+@_bwd_qkvpacked.register_fake
+def _bwd_qkvpacked_fake(do, qkv, o, lse, softmax_scale, causal, deterministic):
+    _check_qkv_packed(qkv)
+    check_bwd_inputs(do, *qkv.unbind(dim=2), o, lse)
+    return qkv.new_empty(qkv.shape)
+
+
+def _backward_qkvpacked(ctx, do, dlse):
+    return _grads(_bwd_qkvpacked, ctx, do)
+
+
+_fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_context)
 
 
 class _EagerFlashAttention(torch.autograd.Function):
@@ -278,6 +350,30 @@ class _EagerFlashAttention(torch.autograd.Function):
         return _grads(_bwd_impl, ctx, do)
 
 
+class _EagerFlashAttentionQKVPacked(torch.autograd.Function):
+    """flash_attn_qkvpacked_func outside torch.compile, as _EagerFlashAttention is for flash_attn_func."""
+
+    @staticmethod
+    def forward(ctx, qkv, softmax_scale, causal, deterministic):
+        o, lse = _fwd_impl(*qkv.unbind(dim=2), softmax_scale, causal)
+        _setup_context(ctx, (qkv, softmax_scale, causal, deterministic), (o, lse))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        return _grads(_bwd_qkvpacked_impl, ctx, do)
+
+
+def _apply(op, eager_fn, tensors, head_dim: int, causal: bool, softmax_scale, deterministic: bool) -> torch.Tensor:
+    """The op under torch.compile (traced through its fake impl and registered autograd), else eager_fn."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    args = (*tensors, float(softmax_scale), bool(causal), bool(deterministic))
+    if torch.compiler.is_compiling():
+        return op(*args)[0]
+    return eager_fn.apply(*args)
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -292,9 +388,22 @@ def flash_attn_func(
     1/sqrt(D); deterministic=True makes the backward bitwise reproducible (no atomics, a little slower).
     """
     check_inputs(q, k, v)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
-    if torch.compiler.is_compiling():
-        return _fwd(*args)[0]  # the op, which torch.compile traces through its fake impl and autograd
-    return _EagerFlashAttention.apply(*args)
+    return _apply(_fwd, _EagerFlashAttention, (q, k, v), q.shape[-1], causal, softmax_scale, deterministic)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """flash_attn_func on q, k, v = qkv.unbind(dim=2), qkv (B, T, 3, H, D) -> o (B, T, H, D).
+
+    The same kernels; the gradient is one (B, T, 3, H, D) tensor that the backward writes in place of
+    dq, dk, dv, instead of three that autograd then stacks into one.
+    """
+    _check_qkv_packed(qkv)
+    check_inputs(*qkv.unbind(dim=2))
+    return _apply(
+        _fwd_qkvpacked, _EagerFlashAttentionQKVPacked, (qkv,), qkv.shape[-1], causal, softmax_scale, deterministic
+    )

@@ -16,6 +16,11 @@ query i sees keys j <= i + Tk - Tq.
 - flash: this repository's compiled FlashAttention-2 kernel (flash_kernel/).
 - flash_reference: the same tiled FA2 algorithm in PyTorch (flash_kernel/reference.py); slow, CPU-
   runnable, used to test the model wiring where no GPU is present.
+
+An implementation may also have a qkv-packed form, fn(qkv, causal=True, softmax_scale=None) -> o with
+qkv (B, T, 3, H, D) the fused projection itself; the model calls it when it exists
+(get_qkvpacked_attention). flash has one: its backward writes dq, dk and dv into one gradient tensor,
+where the three views' gradients would be stacked by autograd (a copy per layer).
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def sdpa_attention(q, k, v, causal: bool = True, softmax_scale: float | None = N
     return o.transpose(1, 2)  # (B, Tq, H, D)
 
 
-def flash_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+def _flash_kernel():
+    """The flash_kernel package, or a RuntimeError that says how to get it built."""
     import flash_kernel
 
     if not flash_kernel.is_available():
@@ -85,7 +91,16 @@ def flash_attention(q, k, v, causal: bool = True, softmax_scale: float | None = 
             f"attention=flash needs the compiled flash_kernel extension on a CUDA GPU, but: "
             f"{flash_kernel.unavailable_reason()}. Build it with `make build`, or pick attention=sdpa."
         )
-    return flash_kernel.flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return flash_kernel
+
+
+def flash_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+    return _flash_kernel().flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def flash_attention_qkvpacked(qkv, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+    """flash on qkv (B, T, 3, H, D) -> o (B, T, H, D); the gradient comes back as one (B, T, 3, H, D) tensor."""
+    return _flash_kernel().flash_attn_qkvpacked_func(qkv, causal=causal, softmax_scale=softmax_scale)
 
 
 def flash_reference_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
@@ -107,6 +122,16 @@ def get_attention(name: str) -> Callable[..., torch.Tensor]:
         return ATTENTION[name]
     except KeyError:
         raise ValueError(f"unknown attention {name!r}; valid names: {', '.join(ATTENTION)}") from None
+
+
+# The implementations with a qkv-packed form (see the module docstring).
+QKVPACKED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"flash": flash_attention_qkvpacked}
+
+
+def get_qkvpacked_attention(name: str) -> Callable[..., torch.Tensor] | None:
+    """name's qkv-packed form, or None where the model should pass q, k, v views instead."""
+    get_attention(name)
+    return QKVPACKED_ATTENTION.get(name)
 
 
 # The flash kernel's head-dim contract (flash_kernel/interface.py checks it again at call time).

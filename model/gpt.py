@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import check_attention_supported, get_attention
+from model.attention import check_attention_supported, get_attention, get_qkvpacked_attention
 
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
 VOCAB_MULTIPLE = 64
@@ -80,12 +80,17 @@ class CausalSelfAttention(nn.Module):
         self.proj.is_residual_out = True
         self.dropout = nn.Dropout(cfg.dropout)
         self.attn_fn = get_attention(cfg.attention)
+        self.attn_qkvpacked = get_qkvpacked_attention(cfg.attention)  # None: attn_fn on q, k, v views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim)  # (B, T, 3, H, D)
-        q, k, v = qkv.unbind(dim=2)  # each (B, T, H, D), strided views
-        o = self.attn_fn(q, k, v, causal=True)  # (B, T, H, D)
+        if self.attn_qkvpacked is not None:
+            # One input, so autograd gets one (B, T, 3, H, D) gradient, not three views' to stack.
+            o = self.attn_qkvpacked(qkv, causal=True)  # (B, T, H, D)
+        else:
+            q, k, v = qkv.unbind(dim=2)  # each (B, T, H, D), strided views
+            o = self.attn_fn(q, k, v, causal=True)  # (B, T, H, D)
         return self.dropout(self.proj(o.reshape(B, T, C)))
 
 

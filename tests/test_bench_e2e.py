@@ -73,3 +73,15 @@ def test_rows_name_the_residual_stream_they_ran():
     assert e2e._key(old) != e2e._key(new)
     md = e2e.table([old, new])
     assert "| flash | no |" in md and "| flash, bf16 residual | no |" in md
+
+
+def test_rows_name_how_the_blocks_passed_qkv():
+    """flash rows whose blocks passed the fused qkv whole are their own case next to the earlier ones."""
+    views = {**_row("pipeline", "flash", 210.0), "residual": "bf16"}
+    packed = {**views, "qkv": "packed"}
+    sdpa = {**_row("pipeline", "sdpa", 211.0), "residual": "bf16", "qkv": "views"}
+    assert e2e._attention(packed) == "flash, bf16 residual, qkv packed"
+    assert e2e._attention(sdpa) == "sdpa, bf16 residual"  # views: the way every row before ran
+    assert e2e._key(views) != e2e._key(packed)
+    md = e2e.table([views, packed, sdpa])
+    assert "| flash, bf16 residual | no |" in md and "| flash, bf16 residual, qkv packed | no |" in md

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flash_kernel
-from flash_kernel import flash_attn_func, naive_attention
+from flash_kernel import flash_attn_func, flash_attn_qkvpacked_func, naive_attention
 from flash_kernel.interface import _load_C
 
 pytestmark = pytest.mark.gpu
@@ -377,16 +377,20 @@ def test_opcheck_bwd():
     torch.library.opcheck(torch.ops.flash_kernel.bwd.default, (do, q, k, v, o, lse, 0.125, True, True))
 
 
-def _attention_block(x, w_qkv, w_o, n_head):
+def _attention_block(x, w_qkv, w_o, n_head, packed=False):
     B, T, C = x.shape
     qkv = (x @ w_qkv).view(B, T, 3, n_head, C // n_head)  # (B, T, 3, H, D)
-    q, k, v = qkv.unbind(dim=2)  # (B, T, H, D) views, no copy
-    o = flash_attn_func(q, k, v, causal=True, deterministic=True)  # (B, T, H, D)
+    if packed:
+        o = flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True)  # (B, T, H, D)
+    else:
+        q, k, v = qkv.unbind(dim=2)  # (B, T, H, D) views, no copy
+        o = flash_attn_func(q, k, v, causal=True, deterministic=True)  # (B, T, H, D)
     return o.reshape(B, T, C) @ w_o  # (B, T, C)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "qkvpacked"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_fullgraph(dynamic):
+def test_torch_compile_fullgraph(dynamic, packed):
     torch._dynamo.reset()
     C, n_head, dtype = 256, 4, torch.bfloat16
     w_qkv = (torch.randn(C, 3 * C, device="cuda", dtype=dtype) / math.sqrt(C)).requires_grad_()
@@ -395,14 +399,59 @@ def test_torch_compile_fullgraph(dynamic):
     for T in (128, 200):  # a second length: recompiles (static) or reuses the symbolic graph (dynamic)
         x = torch.randn(2, T, C, device="cuda", dtype=dtype, requires_grad=True)
         g = torch.randn(2, T, C, device="cuda")  # a random cotangent keeps every gradient O(1)
-        y_eager = _attention_block(x, w_qkv, w_o, n_head)
+        y_eager = _attention_block(x, w_qkv, w_o, n_head, packed)
         grads_eager = torch.autograd.grad((y_eager.float() * g).sum(), (x, w_qkv, w_o))
-        y_comp = compiled(x, w_qkv, w_o, n_head)
+        y_comp = compiled(x, w_qkv, w_o, n_head, packed)
         grads_comp = torch.autograd.grad((y_comp.float() * g).sum(), (x, w_qkv, w_o))
         # Inductor may fuse the surrounding matmuls differently, so close (bf16-level) rather than bitwise.
         for name, a, b in zip(("y", "dx", "dw_qkv", "dw_o"), (y_comp, *grads_comp), (y_eager, *grads_eager)):
             rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
             assert rel < 2e-2, f"{name}: compiled vs eager relative error {rel:.3g} (T={T}, dynamic={dynamic})"
+
+
+# ----------------------------------------------------------------------------------------- qkv packed
+@pytest.mark.parametrize("T", [1, 113, 1000, 2049])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_qkvpacked(dtype, D, causal, T):
+    B, H = 2, 4
+    qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=dtype)  # (B, T, 3, H, D)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=dtype)
+    case = f"qkvpacked T={T} D={D} {dtype} causal={causal}"
+    packed = qkv.clone().requires_grad_()
+    o = flash_attn_qkvpacked_func(packed, causal=causal)
+    o.backward(do)
+    views = qkv.clone().requires_grad_()
+    o_views = flash_attn_func(*views.unbind(dim=2), causal=causal)
+    o_views.backward(do)
+    # The same kernels on the same data: o, dk, dv (no atomics) are bitwise those of the three views.
+    assert torch.equal(o, o_views), case
+    for name, a, b in zip(("dk", "dv"), packed.grad.unbind(dim=2)[1:], views.grad.unbind(dim=2)[1:]):
+        assert torch.equal(a, b), f"{name} ({case}) differs from flash_attn_func's"
+    assert packed.grad.shape == qkv.shape and packed.grad.is_contiguous()
+    ref = materialised(*qkv.unbind(dim=2), do, causal, None, upcast=True)
+    pt = materialised(*qkv.unbind(dim=2), do, causal, None, upcast=False)
+    for name, ours, r, p in zip(("dq", "dk", "dv"), packed.grad.unbind(dim=2), ref[2:], pt[2:]):
+        assert_flash_close(name, ours, r, p, dtype, case)
+
+
+def test_qkvpacked_deterministic_is_bitwise_the_views():
+    qkv = torch.randn(2, 777, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(2, 777, 4, 128, device="cuda", dtype=torch.bfloat16)
+    packed, views = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    flash_attn_qkvpacked_func(packed, deterministic=True).backward(do)
+    flash_attn_func(*views.unbind(dim=2), deterministic=True).backward(do)
+    assert torch.equal(packed.grad, views.grad)
+
+
+def test_opcheck_qkvpacked():
+    qkv = torch.randn(2, 97, 3, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(torch.ops.flash_kernel.fwd_qkvpacked.default, (qkv, 0.125, True, True))
+    o, lse = torch.ops.flash_kernel.fwd_qkvpacked(qkv.detach(), 0.125, True, True)
+    torch.library.opcheck(
+        torch.ops.flash_kernel.bwd_qkvpacked.default, (torch.randn_like(o), qkv.detach(), o, lse, 0.125, True, True)
+    )
 
 
 def test_cuda_graph_capture():
