@@ -209,7 +209,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
         num_splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_n_blocks, ceil_div(num_sms, heads))));
     }
     at::Tensor delta = at::empty({s.b, s.h, s.tq}, f32);                               // (B, Hq, Tq)
-    at::Tensor dq_accum = at::zeros({int64_t{num_splits}, s.b, s.h, s.tq, int64_t{d_rounded}}, f32);     // (S, B, Hq, Tq, Dr)
+    // (S, B, Hq, Tq, Dr); zeroed by the preprocess kernel, which reads every row anyway
+    at::Tensor dq_accum = at::empty({int64_t{num_splits}, s.b, s.h, s.tq, int64_t{d_rounded}}, f32);
     // GQA/MQA: per-query-head dK/dV, summed over each group below.
     const bool grouped = s.h != s.h_k;
     at::Tensor dk_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dk;  // (B, Tk, Hq, D)

@@ -2,7 +2,7 @@
 // and the two kernels every backward launch runs around its main kernel (delta before, dQ convert after).
 //
 // Algorithm 2 (the paper's line numbers), split over three kernels:
-//   4      D = rowsum(dO o O)  (fp32, per query row)                    -> bwd_preprocess_kernel
+//   4      D = rowsum(dO o O)  (fp32, per query row); dq_accum = 0     -> bwd_preprocess_kernel
 //   6      for each K/V block j (one thread block, parallel over j, head, batch) -> flash_bwd_tiled_kernel
 //   7-8      load K_j, V_j into shared memory; dK_j = dV_j = 0 (registers)
 //   9        for each query block i (causal: only i that can see block j):
@@ -40,9 +40,35 @@
 namespace flash {
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * log2e)
-constexpr int kPreprocessWarps = 8;             // rows (one warp each) per preprocess thread block
-constexpr int kConvertThreads = 256;
-constexpr int kConvertVec = 4;                  // dq_accum floats per convert thread
+
+// The two row kernels around the main one (preprocess, dQ convert): a thread block of kRowKernelThreads takes
+// kRows query rows of one (batch, head) (grid: row blocks x heads x batch, so no thread divides a flat index),
+// kRowThreads threads per row, each moving 16 bytes of the input dtype per step: the whole row in one step
+// up to head dim 256.
+constexpr int kRowKernelThreads = 256;
+template <int kHeadDim>
+struct RowKernelShape {
+    static constexpr int kRowThreads = kHeadDim <= 32 ? 4 : kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
+    static constexpr int kRows = kRowKernelThreads / kRowThreads;
+};
+
+// The order in which the sm80 backward's thread block walks its query blocks [m_min, m_max): iteration `it`
+// visits m_min + (it + rot) mod n. kRotate (the non-causal kernel): rot = n_block mod n, so that the blocks of
+// one head that run together (consecutive n_block) add into different dQ tiles instead of all into the same
+// one in lockstep: +2-5% on the sm80 backward at every non-causal shape measured (docs/kernel_notes.md, v15).
+// Causal blocks already start at different query blocks; the Hopper kernel gained nothing from it.
+struct QueryBlockOrder {
+    int m_min, n, rot;
+    __device__ __forceinline__ int operator()(int it) const {
+        const int x = it + rot;
+        return m_min + (x >= n ? x - n : x);
+    }
+};
+template <bool kRotate>
+__device__ __forceinline__ QueryBlockOrder query_block_order(int m_min, int m_max, int n_block) {
+    const int n = m_max - m_min;
+    return {m_min, n, kRotate && n > 0 ? n_block % n : 0};
+}
 
 // Alg. 2 line 10's L_i and D_i for the kBlockM query rows from row0, into shared memory by plain stores of
 // threads 0 .. kBlockM - 1: L pre-multiplied by log2e (P = exp2(S scale log2e - L log2e)); rows past Tq get
@@ -57,57 +83,70 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
     }
 }
 
-// Alg. 2 line 4: delta = rowsum(dO o O) in fp32, one warp per (batch, head, query) row.
-template <typename Element>
-__global__ void __launch_bounds__(kPreprocessWarps * kWarpSize) bwd_preprocess_kernel(const BwdParams params) {
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kPreprocessWarps + warp;  // (bidb * h + bidh) * Tq + q
-    if (row >= static_cast<int64_t>(params.b) * params.h * params.seqlen_q) return;
-    const int q = static_cast<int>(row % params.seqlen_q);
-    const int bidh = static_cast<int>((row / params.seqlen_q) % params.h);
-    const int bidb = static_cast<int>(row / (static_cast<int64_t>(params.seqlen_q) * params.h));
-    const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride +
-                        q * params.do_row_stride + bidh * params.do_head_stride;
-    const Element* o = static_cast<const Element*>(params.o_ptr) + bidb * params.o_batch_stride +
-                       q * params.o_row_stride + bidh * params.o_head_stride;
+// Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows zeroed here (every split), which spares a
+// separate memset of the same bytes. Rows are RowKernelShape's: at hd128 16 threads per row, 16 rows per block.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const BwdParams params) {
+    using Shape = RowKernelShape<kHeadDim>;
+    const int sub = threadIdx.x % Shape::kRowThreads;
+    const int q = blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads;
+    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    const bool valid = q < params.seqlen_q;  // no early return: the row's threads reduce by shuffles below
     float acc = 0.f;
-    for (int col = lane * kCopyElems; col < params.d; col += kWarpSize * kCopyElems) {
-        const uint4 a = *reinterpret_cast<const uint4*>(dO + col);
-        const uint4 b = *reinterpret_cast<const uint4*>(o + col);
-        const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+    if (valid) {
+        const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride +
+                            static_cast<int64_t>(q) * params.do_row_stride + bidh * params.do_head_stride;
+        const Element* o = static_cast<const Element*>(params.o_ptr) + bidb * params.o_batch_stride +
+                           static_cast<int64_t>(q) * params.o_row_stride + bidh * params.o_head_stride;
+        for (int col = sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
+            const uint4 a = *reinterpret_cast<const uint4*>(dO + col);
+            const uint4 b = *reinterpret_cast<const uint4*>(o + col);
+            const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 x = unpack2<Element>(av[i]), y = unpack2<Element>(bv[i]);
-            acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+            for (int i = 0; i < 4; ++i) {
+                const float2 x = unpack2<Element>(av[i]), y = unpack2<Element>(bv[i]);
+                acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+            }
         }
     }
 #pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (lane == 0) params.delta_ptr[row] = acc;
+    for (int offset = Shape::kRowThreads / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (!valid) return;
+    const int64_t row = (static_cast<int64_t>(bidb) * params.h + bidh) * params.seqlen_q + q;  // into (B, Hq, Tq)
+    if (sub == 0) params.delta_ptr[row] = acc;
+    for (int split = 0; split < params.num_splits; ++split) {
+        float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + row * params.d_rounded;
+        for (int col = sub * 4; col < params.d_rounded; col += Shape::kRowThreads * 4) {
+            *reinterpret_cast<float4*>(dst + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
 }
 
-// dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides.
-template <typename Element>
-__global__ void __launch_bounds__(kConvertThreads) bwd_convert_dq_kernel(const BwdParams params) {
-    const int vecs_per_row = params.d / kConvertVec;
-    const int64_t total = static_cast<int64_t>(params.b) * params.h * params.seqlen_q * vecs_per_row;
-    for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-         idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const int col = static_cast<int>(idx % vecs_per_row) * kConvertVec;
-        const int64_t row = idx / vecs_per_row;  // (bidb * h + bidh) * Tq + q
-        const int q = static_cast<int>(row % params.seqlen_q);
-        const int bidh = static_cast<int>((row / params.seqlen_q) % params.h);
-        const int bidb = static_cast<int>(row / (static_cast<int64_t>(params.seqlen_q) * params.h));
-        const float* src = params.dq_accum_ptr + row * params.d_rounded + col;
-        float4 acc = *reinterpret_cast<const float4*>(src);
-        for (int s = 1; s < params.num_splits; ++s) {
-            const float4 x = *reinterpret_cast<const float4*>(src + s * params.dq_accum_split_stride);
-            acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+// dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides; 8
+// columns (two float4 loads per split, one 16-byte store) per thread and step.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const BwdParams params) {
+    using Shape = RowKernelShape<kHeadDim>;
+    const int sub = threadIdx.x % Shape::kRowThreads;
+    const int q = blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads;
+    const int bidh = blockIdx.y, bidb = blockIdx.z;
+    if (q >= params.seqlen_q) return;
+    const int64_t row = (static_cast<int64_t>(bidb) * params.h + bidh) * params.seqlen_q + q;
+    const float* src = params.dq_accum_ptr + row * params.d_rounded;
+    Element* dst = static_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
+                   static_cast<int64_t>(q) * params.dq_row_stride + bidh * params.dq_head_stride;
+    const float sc = params.scale_softmax;
+    for (int col = sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
+        float4 lo = *reinterpret_cast<const float4*>(src + col), hi = *reinterpret_cast<const float4*>(src + col + 4);
+        for (int split = 1; split < params.num_splits; ++split) {
+            const float* other = src + split * params.dq_accum_split_stride + col;
+            const float4 a = *reinterpret_cast<const float4*>(other), b = *reinterpret_cast<const float4*>(other + 4);
+            lo.x += a.x; lo.y += a.y; lo.z += a.z; lo.w += a.w;
+            hi.x += b.x; hi.y += b.y; hi.z += b.z; hi.w += b.w;
         }
-        const float sc = params.scale_softmax;
-        Element* dst = static_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride + q * params.dq_row_stride +
-                       bidh * params.dq_head_stride + col;
-        *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<Element>(acc.x * sc, acc.y * sc), pack2<Element>(acc.z * sc, acc.w * sc));
+        *reinterpret_cast<uint4*>(dst + col) =
+            make_uint4(pack2<Element>(lo.x * sc, lo.y * sc), pack2<Element>(lo.z * sc, lo.w * sc),
+                       pack2<Element>(hi.x * sc, hi.y * sc), pack2<Element>(hi.z * sc, hi.w * sc));
     }
 }
 

@@ -10,7 +10,6 @@
 namespace flash {
 
 constexpr int kBwdDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
-constexpr int kConvertMaxBlocks = 65535;          // the convert kernel is grid-stride beyond this
 
 // Alg. 2 lines 6-20 on sm_90a (flash_bwd_hopper_kernel.cuh): one thread block per (K/V block, head, batch).
 // Q, dO, K and V are read through tensor maps (TMA).
@@ -54,10 +53,9 @@ cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
-    // Alg. 2 line 4.
-    const int64_t rows = static_cast<int64_t>(params.b) * params.h * params.seqlen_q;
-    const int64_t pre_blocks = (rows + kPreprocessWarps - 1) / kPreprocessWarps;
-    bwd_preprocess_kernel<Element><<<static_cast<unsigned>(pre_blocks), kPreprocessWarps * kWarpSize, 0, stream>>>(params);
+    // Alg. 2 line 4, and dq_accum zeroed.
+    const dim3 row_grid(ceil_div(params.seqlen_q, RowKernelShape<kHeadDim>::kRows), params.h, params.b);
+    bwd_preprocess_kernel<Element, kHeadDim><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     FLASH_LAUNCH_CHECK();
 
     // Alg. 2 lines 6-20: the Hopper kernel where there is one (not for the ordered deterministic splits), else
@@ -73,9 +71,7 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     FLASH_RETURN_IF_ERROR(main_err);
 
     // dQ = scale * sum_splits(dq_accum) -> input dtype.
-    const int64_t vecs = rows * (params.d / kConvertVec);
-    const int64_t conv_blocks = std::min<int64_t>((vecs + kConvertThreads - 1) / kConvertThreads, kConvertMaxBlocks);
-    bwd_convert_dq_kernel<Element><<<static_cast<unsigned>(conv_blocks), kConvertThreads, 0, stream>>>(params);
+    bwd_convert_dq_kernel<Element, kHeadDim><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;
 }

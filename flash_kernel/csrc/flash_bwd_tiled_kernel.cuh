@@ -163,10 +163,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                                                                             params.k_row_stride, valid_keys, d);
         copy_tile_async_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride,
                                                                             params.v_row_stride, valid_keys, d);
-        if (m_block_min < m_block_max) {
-            load_q(m_block_min, 0);
-            load_do(m_block_min, 0);
-            load_lse_delta(m_block_min, 0);
+        const QueryBlockOrder order = query_block_order<!kIsCausal>(m_block_min, m_block_max, n_block);
+        if (order.n > 0) {
+            load_q(order(0), 0);
+            load_do(order(0), 0);
+            load_lse_delta(order(0), 0);
         }
         cp_async_commit();
 
@@ -185,15 +186,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         const uint32_t sV_warp = smem_addr(sV + (sdp_key0 + a_row) * kStride + a_col);
         const int key_row = key0 + sdp_key0 + g;  // this thread's keys: key_row + 16 mt + {0, 8}
 
-        for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-            const int stage = (m_block - m_block_min) % Traits::kNStages;
+        for (int it = 0; it < order.n; ++it) {
+            const int m_block = order(it);
+            const int stage = it % Traits::kNStages;
             const int do_stage = Traits::kDoStages == 2 ? stage : 0;
             if constexpr (!kDkFromSmem) {
                 // Prefetch i+1 into the other stage: last read in iteration i-1, before its second barrier.
-                if (m_block + 1 < m_block_max) {
-                    load_q(m_block + 1, stage ^ 1);
-                    load_do(m_block + 1, stage ^ 1);
-                    load_lse_delta(m_block + 1, stage ^ 1);
+                if (it + 1 < order.n) {
+                    load_q(order(it + 1), stage ^ 1);
+                    load_do(order(it + 1), stage ^ 1);
+                    load_lse_delta(order(it + 1), stage ^ 1);
                 }
                 cp_async_commit();
                 cp_async_wait<1>();
@@ -203,10 +205,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                 // may overwrite it only once every warp has passed this barrier.
                 cp_async_wait<0>();
                 __syncthreads();
-                if (m_block + 1 < m_block_max) {
-                    load_q(m_block + 1, stage ^ 1);
-                    if (Traits::kDoStages == 2) load_do(m_block + 1, stage ^ 1);
-                    load_lse_delta(m_block + 1, stage ^ 1);
+                if (it + 1 < order.n) {
+                    load_q(order(it + 1), stage ^ 1);
+                    if (Traits::kDoStages == 2) load_do(order(it + 1), stage ^ 1);
+                    load_lse_delta(order(it + 1), stage ^ 1);
                 }
                 cp_async_commit();
             }
@@ -360,7 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             if constexpr (Traits::kDoStages == 1) {
                 if constexpr (kPInSmem) __syncthreads();  // every warp's last read of dO_i (dV) is done
-                if (m_block + 1 < m_block_max) load_do(m_block + 1, 0);
+                if (it + 1 < order.n) load_do(order(it + 1), 0);
                 cp_async_commit();
             }
             if constexpr (kDkFromSmem) {

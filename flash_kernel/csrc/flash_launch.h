@@ -29,7 +29,7 @@ template <typename Element, int kHeadDim> cudaError_t run_mha_bwd_(const BwdPara
 
 // Dispatch on params.is_bf16 / params.d_rounded (flash_dispatch.cu).
 cudaError_t run_mha_fwd(const FwdParams& params, cudaStream_t stream);
-// Preprocess (delta), main backward, dQ convert. Caller provides zeroed dq_accum and delta.
+// Preprocess (delta; zeroes dq_accum), main backward, dQ convert. Caller provides dq_accum and delta.
 cudaError_t run_mha_bwd(const BwdParams& params, cudaStream_t stream);
 
 bool hopper_fwd_built(int head_dim_rounded);      // an sm_90a forward is compiled in for this head dim

@@ -56,7 +56,7 @@ struct BwdParams : public FwdParams {
 
     // Workspaces allocated by the caller.
     float* delta_ptr;     // (B, Hq, Tq): rowsum(dO * O), Alg. 2 line 4
-    float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, d_rounded) fp32, zero-initialised
+    float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, d_rounded) fp32, zeroed by the preprocess kernel
     int64_t dq_accum_split_stride;  // elements between splits = B * Hq * Tq * d_rounded
 
     // Non-deterministic: one thread block per K/V block, dQ accumulated with fp32 atomics (num_splits=1).
