@@ -51,6 +51,20 @@ struct RowKernelShape {
     static constexpr int kRowThreads = kHeadDim <= 32 ? 4 : kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
     static constexpr int kRows = kRowKernelThreads / kRowThreads;
 };
+// A row kernel thread's place: thread `sub` of query row `q` of head bidh, batch bidb.
+struct RowThread {
+    int sub, q, bidh, bidb;
+    __device__ __forceinline__ int64_t row(const BwdParams& p) const {  // into (B, Hq, Tq)
+        return (static_cast<int64_t>(bidb) * p.h + bidh) * p.seqlen_q + q;
+    }
+};
+template <int kHeadDim>
+__device__ __forceinline__ RowThread row_thread() {
+    using Shape = RowKernelShape<kHeadDim>;
+    return {static_cast<int>(threadIdx.x % Shape::kRowThreads),
+            static_cast<int>(blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads), static_cast<int>(blockIdx.y),
+            static_cast<int>(blockIdx.z)};
+}
 
 // The order in which the sm80 backward's thread block walks its query blocks [m_min, m_max): iteration `it`
 // visits m_min + (it + rot) mod n. kRotate (the non-causal kernel): rot = n_block mod n, so that the blocks of
@@ -88,17 +102,15 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
-    const int sub = threadIdx.x % Shape::kRowThreads;
-    const int q = blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads;
-    const int bidh = blockIdx.y, bidb = blockIdx.z;
-    const bool valid = q < params.seqlen_q;  // no early return: the row's threads reduce by shuffles below
+    const RowThread th = row_thread<kHeadDim>();
+    const bool valid = th.q < params.seqlen_q;  // no early return: the row's threads reduce by shuffles below
     float acc = 0.f;
     if (valid) {
-        const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride +
-                            static_cast<int64_t>(q) * params.do_row_stride + bidh * params.do_head_stride;
-        const Element* o = static_cast<const Element*>(params.o_ptr) + bidb * params.o_batch_stride +
-                           static_cast<int64_t>(q) * params.o_row_stride + bidh * params.o_head_stride;
-        for (int col = sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
+        const Element* dO = static_cast<const Element*>(params.do_ptr) + th.bidb * params.do_batch_stride +
+                            static_cast<int64_t>(th.q) * params.do_row_stride + th.bidh * params.do_head_stride;
+        const Element* o = static_cast<const Element*>(params.o_ptr) + th.bidb * params.o_batch_stride +
+                           static_cast<int64_t>(th.q) * params.o_row_stride + th.bidh * params.o_head_stride;
+        for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
             const uint4 a = *reinterpret_cast<const uint4*>(dO + col);
             const uint4 b = *reinterpret_cast<const uint4*>(o + col);
             const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
@@ -112,11 +124,11 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
 #pragma unroll
     for (int offset = Shape::kRowThreads / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (!valid) return;
-    const int64_t row = (static_cast<int64_t>(bidb) * params.h + bidh) * params.seqlen_q + q;  // into (B, Hq, Tq)
-    if (sub == 0) params.delta_ptr[row] = acc;
+    const int64_t row = th.row(params);
+    if (th.sub == 0) params.delta_ptr[row] = acc;
     for (int split = 0; split < params.num_splits; ++split) {
         float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + row * params.d_rounded;
-        for (int col = sub * 4; col < params.d_rounded; col += Shape::kRowThreads * 4) {
+        for (int col = th.sub * 4; col < params.d_rounded; col += Shape::kRowThreads * 4) {
             *reinterpret_cast<float4*>(dst + col) = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
@@ -127,16 +139,13 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
-    const int sub = threadIdx.x % Shape::kRowThreads;
-    const int q = blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads;
-    const int bidh = blockIdx.y, bidb = blockIdx.z;
-    if (q >= params.seqlen_q) return;
-    const int64_t row = (static_cast<int64_t>(bidb) * params.h + bidh) * params.seqlen_q + q;
-    const float* src = params.dq_accum_ptr + row * params.d_rounded;
-    Element* dst = static_cast<Element*>(params.dq_ptr) + bidb * params.dq_batch_stride +
-                   static_cast<int64_t>(q) * params.dq_row_stride + bidh * params.dq_head_stride;
+    const RowThread th = row_thread<kHeadDim>();
+    if (th.q >= params.seqlen_q) return;
+    const float* src = params.dq_accum_ptr + th.row(params) * params.d_rounded;
+    Element* dst = static_cast<Element*>(params.dq_ptr) + th.bidb * params.dq_batch_stride +
+                   static_cast<int64_t>(th.q) * params.dq_row_stride + th.bidh * params.dq_head_stride;
     const float sc = params.scale_softmax;
-    for (int col = sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
+    for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
         float4 lo = *reinterpret_cast<const float4*>(src + col), hi = *reinterpret_cast<const float4*>(src + col + 4);
         for (int split = 1; split < params.num_splits; ++split) {
             const float* other = src + split * params.dq_accum_split_stride + col;
