@@ -288,8 +288,9 @@ def _fwd_qkvpacked(
     qkv: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_qkv_packed(qkv)
-    check_inputs(*qkv.unbind(dim=2))
-    return _fwd_impl(*qkv.unbind(dim=2), softmax_scale, causal)
+    q, k, v = qkv.unbind(dim=2)
+    check_inputs(q, k, v)
+    return _fwd_impl(q, k, v, softmax_scale, causal)
 
 
 @_fwd_qkvpacked.register_fake
