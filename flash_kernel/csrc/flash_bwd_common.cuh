@@ -66,24 +66,6 @@ __device__ __forceinline__ RowThread row_thread() {
             static_cast<int>(blockIdx.z)};
 }
 
-// The order in which the sm80 backward's thread block walks its query blocks [m_min, m_max): iteration `it`
-// visits m_min + (it + rot) mod n. kRotate (the non-causal kernel): rot = n_block mod n, so that the blocks of
-// one head that run together (consecutive n_block) add into different dQ tiles instead of all into the same
-// one in lockstep: +2-5% on the sm80 backward at every non-causal shape measured (docs/kernel_notes.md, v15).
-// Causal blocks already start at different query blocks; the Hopper kernel gained nothing from it.
-struct QueryBlockOrder {
-    int m_min, n, rot;
-    __device__ __forceinline__ int operator()(int it) const {
-        const int x = it + rot;
-        return m_min + (x >= n ? x - n : x);
-    }
-};
-template <bool kRotate>
-__device__ __forceinline__ QueryBlockOrder query_block_order(int m_min, int m_max, int n_block) {
-    const int n = m_max - m_min;
-    return {m_min, n, kRotate && n > 0 ? n_block % n : 0};
-}
-
 // Alg. 2 line 10's L_i and D_i for the kBlockM query rows from row0, into shared memory by plain stores of
 // threads 0 .. kBlockM - 1: L pre-multiplied by log2e (P = exp2(S scale log2e - L log2e)); rows past Tq get
 // L = +inf (so P = 0) and D = 0.

@@ -31,6 +31,24 @@ __device__ __forceinline__ void store_acc_tile(Element* s, const float (&acc)[kM
     }
 }
 
+// The order in which a thread block of this kernel walks its query blocks [m_min, m_max): iteration `it`
+// visits m_min + (it + rot) mod n. kRotate (the non-causal kernel): rot = n_block mod n, so that the blocks of
+// one head that run together (consecutive n_block) add into different dQ tiles instead of all into the same
+// one in lockstep: +2-5% on the sm80 backward at every non-causal shape measured (docs/kernel_notes.md, v15).
+// Causal blocks already start at different query blocks; the Hopper kernel gained nothing from it.
+struct QueryBlockOrder {
+    int m_min, n, rot;
+    __device__ __forceinline__ int operator()(int it) const {
+        const int x = it + rot;
+        return m_min + (x >= n ? x - n : x);
+    }
+};
+template <bool kRotate>
+__device__ __forceinline__ QueryBlockOrder query_block_order(int m_min, int m_max, int n_block) {
+    const int n = m_max - m_min;
+    return {m_min, n, kRotate && n > 0 ? n_block % n : 0};
+}
+
 // Warp tiling (knobs in BwdVariantTraits). With kSdpWarpsQ = 1 and !kDkFromSmem it is v4's:
 // warp w owns keys [16w, 16w+16) for S^T, dP^T, dV and dK (P^T and dS^T stay in registers as A operands).
 // kSdpWarpsQ > 1 splits S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed
