@@ -31,19 +31,24 @@ struct BlockCoord {
 };
 
 #ifdef __CUDACC__
-// Device: this thread block's (query block, head, batch) in a (n_blocks, h, b) grid. 32-bit arithmetic
-// (three divisions per thread block): a grid of 2^32 blocks would need ~8 TB of q alone (each block owns
-// >= 64 rows of >= 8 columns per head).
-__device__ __forceinline__ BlockCoord causal_block_order(int group_heads) {
-    const uint32_t n_blocks = gridDim.x, heads = gridDim.y, group = group_heads;
-    const uint32_t all_heads = heads * gridDim.z;  // (batch, head) pairs, batch-major
-    const uint32_t linear = blockIdx.x + n_blocks * (blockIdx.y + heads * blockIdx.z);
+// Device: the (query block, head, batch) of tile `linear` in a causal grid of n_blocks query blocks per (batch,
+// head) pair, heads per batch and all_heads = heads * batches pairs (batch-major). 32-bit arithmetic (three
+// divisions per tile): a grid of 2^32 tiles would need ~8 TB of q alone (each tile owns >= 64 rows of >= 8
+// columns per head).
+__device__ __forceinline__ BlockCoord causal_tile_coord(uint32_t linear, uint32_t n_blocks, uint32_t heads,
+                                                        uint32_t all_heads, uint32_t group) {
     const uint32_t first = linear / (group * n_blocks) * group;  // the group's first (batch, head) pair
     const uint32_t in_group = linear - first * n_blocks;
     const uint32_t heads_here = min(group, all_heads - first);  // the last group may be short
     const uint32_t rank = in_group / heads_here;                 // 0: each head's last (longest) block
     const uint32_t pair = first + (in_group - rank * heads_here);
     return {static_cast<int>(n_blocks - 1 - rank), static_cast<int>(pair % heads), static_cast<int>(pair / heads)};
+}
+
+// This thread block's tile of a (n_blocks, h, b) grid, in the order above.
+__device__ __forceinline__ BlockCoord causal_block_order(int group_heads) {
+    const uint32_t linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return causal_tile_coord(linear, gridDim.x, gridDim.y, gridDim.y * gridDim.z, group_heads);
 }
 
 // A forward thread block's (query block, head, batch): the order above when causal, else the grid's own.

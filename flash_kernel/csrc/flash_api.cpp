@@ -165,8 +165,15 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
     p.use_sm90 = sm90_forward_allowed(q.device().index());
+    p.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
+    at::Tensor tile_counter;
     if (causal) {  // K and V bytes of a query head (shared by h / h_k of them under GQA)
         p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
+        if (p.use_sm90 && flash::hopper_fwd_built(p.d_rounded)) {  // its blocks take tiles from a counter
+            tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+            p.tile_counter = tile_counter.data_ptr<int>();
+        }
     }
     const cudaError_t err = flash::run_mha_fwd(p, at::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == cudaSuccess, "flash_kernel: forward launch failed: ", cudaGetErrorString(err));

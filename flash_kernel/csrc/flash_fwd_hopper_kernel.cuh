@@ -19,12 +19,16 @@
 //     (named barriers), so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
 //     Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait covers both and the
 //     softmax of S_j runs while the other warpgroup's pair is on the tensor cores.
+//   - Persistent (v16, fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
+//     stages and their barrier phases run on across tiles; in a tile's last turn thread 0 loads the next tile's
+//     Q (once the tile's last S released it) and first K/V, and warpgroup 0 starts the next tile while
+//     warpgroup 1 finishes this one. O is stored straight from the accumulators (sQ holds the next Q by then).
 #pragma once
 
 #include <cmath>
 
-#include "causal_order.h"
 #include "flash_params.h"
+#include "fwd_tile_scheduler.h"
 #include "hopper_kernel_traits.h"
 #include "hopper_tma.h"
 #include "utils.cuh"
@@ -34,7 +38,7 @@ namespace flash {
 
 // Named barriers of the kernel (0 is __syncthreads, used once, after the mbarriers are initialised).
 constexpr int kBarTurnWg0 = 1;     // + wg: "warpgroup wg may issue its matmuls"
-constexpr int kBarEpilogue = 3;    // both warpgroups wrote their O rows to shared memory
+constexpr int kBarNextTile = 3;    // warpgroup 0: the loader has shared the next tile (causal)
 
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
@@ -56,38 +60,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* smem = swizzle_aligned(smem_raw);
-    const uint32_t sQ = smem_addr(smem);
+    const uint32_t sQ = smem_addr(smem);                              // swizzled kBlockM x kHeadDim
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
     constexpr int kNThreads = Traits::kNThreads;
-    const uint32_t bars = sQ + Traits::kSmemTileBytes;                // [4][kNStages] + 1 mbarriers of 8 bytes
+    const uint32_t bars = sQ + Traits::kSmemTileBytes;                // [4][kNStages] + 2 mbarriers of 8 bytes
     const uint32_t full_q = bars + 8 * 4 * kNStages;
+    const uint32_t empty_q = full_q + 8;
     auto full_k = [&](int stage) { return bars + 8 * stage; };
     auto full_v = [&](int stage) { return bars + 8 * (kNStages + stage); };
     auto empty_k = [&](int stage) { return bars + 8 * (2 * kNStages + stage); };
     auto empty_v = [&](int stage) { return bars + 8 * (3 * kNStages + stage); };
+    // Causal: the next tile, from the loader (fwd_tile_scheduler.h) to the other threads.
+    volatile int* next_tile_slot = reinterpret_cast<volatile int*>(smem + Traits::kSmemTileBytes + 8 * Traits::kNMbarriers);
 
-    // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
-    const BlockCoord coord = fwd_block_coord<kIsCausal>(params.causal_group_heads);
-    const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
+    const FwdTiles tiles = fwd_tiles<kBlockM>(params);
     const int tid = threadIdx.x;
     const int seqlen_q = params.seqlen_q;
     const int seqlen_k = params.seqlen_k;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
-    const int row0 = m_block * kBlockM;
-    const int valid_rows = min(kBlockM, seqlen_q - row0);
-
-    const int bidh_k = bidh / params.h_h_k_ratio;  // GQA/MQA: the kv head of this query head
-    Element* o = static_cast<Element*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
-                 row0 * params.o_row_stride;
-    float* lse = params.lse_ptr + (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q + row0;
-
-    int n_block_max = ceil_div(seqlen_k, kBlockN);
-    if (kIsCausal) n_block_max = min(n_block_max, ceil_div(row0 + kBlockM + causal_offset, kBlockN));
-    if (n_block_max <= 0) {
-        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(o, params.o_row_stride, lse, valid_rows, params.d);
-        return;
-    }
 
     // Thread 0 issues every load (one TMA per 64-column block) and arms the "full" barriers with its bytes.
     const bool loader = tid == 0;
@@ -96,6 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
         mbarrier_init(full_q, 1);
+        mbarrier_init(empty_q, kNThreads);  // one arrival per thread: its tile's last S read Q
         for (int stage = 0; stage < kNStages; ++stage) {
             mbarrier_init(full_k(stage), 1);  // the loader's arrival, plus the tile's bytes
             mbarrier_init(full_v(stage), 1);
@@ -106,28 +98,40 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
     __syncthreads();  // the only block-wide barrier
 
-    // (Loader only.) K or V tile j into stage j % kNStages of `tiles`, once both warpgroups released the tile
-    // that stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers.
-    auto load = [&](const CUtensorMap* map, uint32_t tiles, uint32_t full, uint32_t empty, int n_block) {
-        const int stage = n_block % kNStages;
-        if (n_block >= kNStages) mbarrier_wait(empty + 8 * stage, (n_block / kNStages - 1) & 1);
-        tma_load_rows<kBlockN, kHeadDim>(tiles + stage * Traits::kSmemKVTileBytes, map, n_block * kBlockN, bidh_k, bidb,
-                                         full + 8 * stage);
+    // The stages run on across tiles: K/V tile n_block of a tile whose first K/V tile is this block's kv_base-th
+    // has running index kv = kv_base + n_block, lives in stage kv % kNStages and completes its barriers' phase
+    // kv / kNStages.
+    // (Loader only.) K or V tile n_block of (head_k, batch), running index kv, once both warpgroups released the
+    // tile its stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers.
+    auto load = [&](const CUtensorMap* map, uint32_t stage_tiles, uint32_t full, uint32_t empty, int kv, int n_block,
+                    int head_k, int batch) {
+        const int stage = kv % kNStages;
+        if (kv >= kNStages) mbarrier_wait(empty + 8 * stage, (kv / kNStages - 1) & 1);
+        tma_load_rows<kBlockN, kHeadDim>(stage_tiles + stage * Traits::kSmemKVTileBytes, map, n_block * kBlockN, head_k,
+                                         batch, full + 8 * stage);
     };
-    auto load_k = [&](int n_block) { load(&maps.k, sK, full_k(0), empty_k(0), n_block); };
-    auto load_v = [&](int n_block) { load(&maps.v, sV, full_v(0), empty_v(0), n_block); };
-    // Issued with turn j: K_{j+kNStages-1} and V_{j+kNStages-2}.
-    auto load_ahead = [&](int n_block) {
-        if (!loader) return;
-        if (n_block + kNStages - 1 < n_block_max) load_k(n_block + kNStages - 1);
-        if (n_block + kNStages - 2 < n_block_max) load_v(n_block + kNStages - 2);
+    auto load_k = [&](int kv, int n_block, int head_k, int batch) {
+        load(&maps.k, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch);
     };
-    // Prologue: Q_i, K_0 .. K_{kNStages-2}, V_0 .. V_{kNStages-3}.
-    if (loader) {
-        tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, row0, bidh, bidb, full_q);
-        for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(j);
-        for (int j = 0; j < kNStages - 2 && j < n_block_max; ++j) load_v(j);
-    }
+    auto load_v = [&](int kv, int n_block, int head_k, int batch) {
+        load(&maps.v, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch);
+    };
+    // A tile's key blocks: all of them, or causal up to the diagonal of its last row (>= 1: fwd_tiles).
+    auto key_blocks = [&](int m_block) {
+        const int n = ceil_div(seqlen_k, kBlockN);
+        return kIsCausal ? min(n, ceil_div((m_block + 1) * kBlockM + causal_offset, kBlockN)) : n;
+    };
+    // (Loader only.) The block's tile_iter-th tile's Q, K_0 .. K_{kNStages-2} and V_0 .. V_{kNStages-3}; Q once
+    // every thread's last S of the tile before is done reading it (full_q and empty_q complete phase tile_iter
+    // for the tile_iter-th tile).
+    auto load_tile_head = [&](int tile, int tile_iter, int kv_base) {
+        const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, params, tile);
+        const int n_block_max = key_blocks(c.block), head_k = c.head / params.h_h_k_ratio;
+        if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
+        tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, c.block * kBlockM, c.head, c.batch, full_q);
+        for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(kv_base + j, j, head_k, c.batch);
+        for (int j = 0; j < kNStages - 2 && j < n_block_max; ++j) load_v(kv_base + j, j, head_k, c.batch);
+    };
 
     // Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this
     // thread rows `my_row` and `my_row + 8` (g = lane / 4; columns 8j + 2t + {0, 1} of every n8 tile j).
@@ -139,10 +143,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int my_row = wg * kWarpgroupRows + ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
 
     float acc_o[kHeadDim / 2];
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.f, 0.f};  // this thread's partial sums, quad-reduced at the end
+    float row_max[2];
+    float row_sum[2];  // this thread's partial sums, quad-reduced at the end
     const float scale_log2 = params.scale_softmax_log2;
     float s[kBlockN / 2];           // S_j accumulators, then P_j = exp(S_j - m) in place
     uint32_t p[kKStepsN][4];        // P_{j-1} as the register A operand of O += P V
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     };
     // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
     // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
-    auto softmax = [&](int n_block) {
+    auto softmax = [&](int n_block, int row0) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset)) {
 #pragma unroll
@@ -211,79 +213,148 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
         }
     };
-    // Ping-pong turns: warpgroup 0 goes first; every turn ends by handing the tensor cores to the other one.
-    // Both make n_block_max + 1 turns, so warpgroup 1 skips its last hand-over (nobody would take it).
+
+    // Ping-pong turns: warpgroup 0 goes first; every turn ends by handing the tensor cores to the other one, across
+    // tiles too (warpgroup 0 starts tile i + 1 while warpgroup 1 finishes tile i). Both make n_block_max + 1 turns
+    // per tile; warpgroup 1 skips its very last hand-over (nobody would take it).
     const int my_turn = kBarTurnWg0 + wg, other_turn = kBarTurnWg0 + (1 - wg);
+    int tile = blockIdx.x;  // < num_tiles: the launch runs min(SMs, num_tiles) blocks
+    int next = 0;           // the tile after this one (causal: the loader's until it shares it in the last turn)
+    int kv_base = 0;        // K/V tiles this block consumed before the current tile
+    int tile_iter = 0;      // tiles this block finished before the current one
+    if (loader) load_tile_head(tile, tile_iter, kv_base);
     if (wg == 1) named_barrier_arrive(kBarTurnWg0, kNThreads);
 
-    // Turn 0: S_0. (TMA writes and wgmma reads are both async-proxy accesses: no proxy fence.)
-    mbarrier_wait(full_q, 0);
-    mbarrier_wait(full_k(0), 0);
-    named_barrier_sync(my_turn, kNThreads);
-    wgmma_fence();
-    issue_s(0);
-    wgmma_commit();
-    named_barrier_arrive(other_turn, kNThreads);
-    load_ahead(0);
-    wgmma_wait<0>();
-    pin_registers(s);
-    mbarrier_arrive(empty_k(0));
-    softmax(0);
+    while (true) {
+        const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, params, tile);
+        const int bidh = coord.head, bidb = coord.batch;
+        const int row0 = coord.block * kBlockM;
+        const int valid_rows = min(kBlockM, seqlen_q - row0);
+        const int n_block_max = key_blocks(coord.block);
+        const int bidh_k = bidh / params.h_h_k_ratio;  // GQA/MQA: the kv head of this query head
+        auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
+        auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
+        // Issued with turn j: K_{j+kNStages-1} and V_{j+kNStages-2}.
+        auto load_ahead = [&](int n_block) {
+            if (!loader) return;
+            if (n_block + kNStages - 1 < n_block_max) load_k(kv_base + n_block + kNStages - 1, n_block + kNStages - 1, bidh_k, bidb);
+            if (n_block + kNStages - 2 < n_block_max) load_v(kv_base + n_block + kNStages - 2, n_block + kNStages - 2, bidh_k, bidb);
+        };
+        // Causal: the loader claims the next tile in turn n_block_max - 2 (turn 0 of a 1-block tile), after its
+        // hand-over, and loads its head in the last turn. Claims then come in about the order the blocks finish, as
+        // the hardware would hand out whole blocks; claiming at a tile's start instead (a tile ahead) left blocks 4%
+        // apart at hd128 in the greedy-schedule model and measured 4-7% slower. Two turns (one at least) hide the
+        // atomic's latency.
+        auto claim_next = [&](int n_block) {
+            if (n_block != max(0, n_block_max - 2)) return;
+            if (!kIsCausal || loader) next = fwd_next_tile<kIsCausal>(params, tile);
+        };
+#pragma unroll
+        for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.f;
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.f;
 
-    // Turn j: O += P_{j-1} V_{j-1} and S_j, then the softmax of S_j while the other warpgroup's turn runs.
-    for (int n_block = 1; n_block < n_block_max; ++n_block) {
-        const int stage = n_block % kNStages, prev = (n_block - 1) % kNStages;
-        mbarrier_wait(full_v(prev), ((n_block - 1) / kNStages) & 1);
-        mbarrier_wait(full_k(stage), (n_block / kNStages) & 1);
+        // Turn 0: S_0. (TMA writes and wgmma reads are both async-proxy accesses: no proxy fence.)
+        mbarrier_wait(full_q, tile_iter & 1);
+        mbarrier_wait(full_k(stage_of(0)), phase_of(0));
         named_barrier_sync(my_turn, kNThreads);
         wgmma_fence();
-        issue_pv(prev);
-        issue_s(stage);
+        issue_s(stage_of(0));
         wgmma_commit();
         named_barrier_arrive(other_turn, kNThreads);
-        load_ahead(n_block);
+        claim_next(0);
+        load_ahead(0);
+        wgmma_wait<0>();
+        pin_registers(s);
+        mbarrier_arrive(empty_k(stage_of(0)));
+        if (n_block_max == 1) mbarrier_arrive(empty_q);
+        softmax(0, row0);
+
+        // Turn j: O += P_{j-1} V_{j-1} and S_j, then the softmax of S_j while the other warpgroup's turn runs.
+        for (int n_block = 1; n_block < n_block_max; ++n_block) {
+            const int stage = stage_of(n_block), prev = stage_of(n_block - 1);
+            mbarrier_wait(full_v(prev), phase_of(n_block - 1));
+            mbarrier_wait(full_k(stage), phase_of(n_block));
+            named_barrier_sync(my_turn, kNThreads);
+            wgmma_fence();
+            issue_pv(prev);
+            issue_s(stage);
+            wgmma_commit();
+            named_barrier_arrive(other_turn, kNThreads);
+            claim_next(n_block);
+            load_ahead(n_block);
+            wgmma_wait<0>();
+            pin_registers(acc_o);
+            pin_registers(s);
+            mbarrier_arrive(empty_v(prev));
+            mbarrier_arrive(empty_k(stage));
+            if (n_block == n_block_max - 1) mbarrier_arrive(empty_q);
+            softmax(n_block, row0);
+        }
+
+        // Last turn: O += P_last V_last. Then the loader starts the next tile's loads, which land while both
+        // warpgroups finish this one.
+        const int last = stage_of(n_block_max - 1);
+        mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
+        named_barrier_sync(my_turn, kNThreads);
+        wgmma_fence();
+        issue_pv(last);
+        wgmma_commit();
+        if constexpr (kIsCausal) {  // the loader shares the next tile: warpgroup 0 reads it after their barrier,
+            if (loader) *next_tile_slot = next;  // warpgroup 1 after its last turn's (which follows our hand-over)
+            if (wg == 0) named_barrier_sync(kBarNextTile, kWarpgroupThreads);
+            next = *next_tile_slot;
+        }
+        const bool more = next < tiles.num_tiles;
+        if (wg == 0 || more) named_barrier_arrive(other_turn, kNThreads);
+        // The next tile's Q, first K and V: they land while both warpgroups finish this tile. (A second Q stage,
+        // loaded a turn earlier, measured 1-4% slower at hd64: the loader's waits then sat before warpgroup 0's
+        // softmax.)
+        if (loader && more) load_tile_head(next, tile_iter + 1, kv_base + n_block_max);
         wgmma_wait<0>();
         pin_registers(acc_o);
-        pin_registers(s);
-        mbarrier_arrive(empty_v(prev));
-        mbarrier_arrive(empty_k(stage));
-        softmax(n_block);
-    }
+        mbarrier_arrive(empty_v(last));
 
-    // Last turn: O += P_last V_last.
-    const int last = (n_block_max - 1) % kNStages;
-    mbarrier_wait(full_v(last), ((n_block_max - 1) / kNStages) & 1);
-    named_barrier_sync(my_turn, kNThreads);
-    wgmma_fence();
-    issue_pv(last);
-    wgmma_commit();
-    if (wg == 0) named_barrier_arrive(other_turn, kNThreads);
-    wgmma_wait<0>();
-    pin_registers(acc_o);
-
-    // O = O / l, LSE = m * scale + log(l). O goes through this warpgroup's own rows of sQ (only its own wgmmas
-    // read them, and they have completed), in the swizzled layout, so the global stores are 16-byte rows.
-    float inv_sum[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(row_sum[r]);
-        const bool empty = l == 0.f || l != l;  // no visible key: O stays 0, LSE = +inf
-        inv_sum[r] = empty ? 0.f : 1.f / l;
-        const float lse_row = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
-        if (t == 0 && my_row + 8 * r < valid_rows) lse[my_row + 8 * r] = lse_row;
-    }
-#pragma unroll
-    for (int i = 0; i < kNTilesD; ++i) {
-        const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds columns 8i..8i+7
+        // O = O / l, LSE = m * scale + log(l), straight from the accumulators: sQ already holds the next tile's Q,
+        // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's
+        // store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
+        Element* o = static_cast<Element*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
+                     row0 * params.o_row_stride;
+        float* lse = params.lse_ptr + (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q + row0;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = my_row + 8 * r;
-            *reinterpret_cast<uint32_t*>(smem + swizzled_chunk_offset<kBlockM>(row, i) + within) =
-                pack2<Element>(acc_o[4 * i + 2 * r] * inv_sum[r], acc_o[4 * i + 2 * r + 1] * inv_sum[r]);
+            const float l = quad_sum(row_sum[r]);
+            const bool empty = l == 0.f || l != l;  // no visible key: O stays 0, LSE = +inf
+            const float inv_sum = empty ? 0.f : 1.f / l;
+            if (row < valid_rows) {
+                if (t == 0) lse[row] = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
+                Element* o_row = o + row * params.o_row_stride + 2 * t;
+#pragma unroll
+                for (int i = 0; i < kNTilesD; ++i) {
+                    if (i * kMmaN < params.d) {  // head dims below the tile width (d is a multiple of 8)
+                        *reinterpret_cast<uint32_t*>(o_row + i * kMmaN) =
+                            pack2<Element>(acc_o[4 * i + 2 * r] * inv_sum, acc_o[4 * i + 2 * r + 1] * inv_sum);
+                    }
+                }
+            }
         }
+        if (!more) break;
+        tile = next;
+        kv_base += n_block_max;
+        ++tile_iter;
     }
-    named_barrier_sync(kBarEpilogue, kNThreads);
-    store_tile_swizzled<kBlockM, kHeadDim, kNThreads>(o, smem, params.o_row_stride, valid_rows, params.d);
+
+    // Causal with Tq > Tk: the query blocks that see no key, after the main tiles.
+    for (int e = static_cast<int>(blockIdx.x); e < tiles.num_empty; e += static_cast<int>(gridDim.x)) {
+        const BlockCoord c = fwd_empty_tile_coord(tiles, params, e);
+        const int row0 = c.block * kBlockM;
+        Element* o = static_cast<Element*>(params.o_ptr) + c.batch * params.o_batch_stride + c.head * params.o_head_stride +
+                     row0 * params.o_row_stride;
+        float* lse = params.lse_ptr + (static_cast<int64_t>(c.batch) * params.h + c.head) * seqlen_q + row0;
+        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(o, params.o_row_stride, lse, min(kBlockM, seqlen_q - row0),
+                                                             params.d);
+    }
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_kernel_traits.h)
 #endif

@@ -1,6 +1,7 @@
 // Launch of the forward kernel for one (dtype, head dim); included by the flash_fwd_hdim*.cu files.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
 #include "flash_fwd_hopper_kernel.cuh"
@@ -14,27 +15,34 @@ constexpr int kDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above thi
 
 constexpr int kReservedSmemPerBlock = 1024;   // shared memory the driver keeps per thread block (sm80+)
 
-// One forward kernel (flash_fwd_kernel or flash_fwd_hopper_kernel) of the given Traits; `extra` are the
-// kernel's parameters after FwdParams (the Hopper kernel's tensor maps).
-template <typename Traits, typename... Extra>
-cudaError_t launch_fwd(void (*kernel)(FwdParams, Extra...), const FwdParams& params, cudaStream_t stream, const Extra&... extra) {
+// One sm80 forward kernel of the given Traits.
+template <typename Traits>
+cudaError_t launch_fwd(void (*kernel)(FwdParams), const FwdParams& params, cudaStream_t stream) {
     constexpr int kSmem = Traits::kSmemBytes;
     if (kSmem > kDefaultSmemBytes) {
         FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     }
     // Alg. 1 line 3: one thread block per (query block, head, batch).
     const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.h, params.b);
-    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params, extra...);
+    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;
 }
 
-// The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN.
+// The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN. It is
+// persistent (fwd_tile_scheduler.h): one block per SM, at most one per tile.
 template <typename Traits, bool kIsCausal>
 cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
+    if (kIsCausal && p.tile_counter == nullptr) return cudaErrorInvalidValue;  // the caller owns the zeroed counter
     QkvTensorMaps maps;
     FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
-    return launch_fwd<Traits>(&flash_fwd_hopper_kernel<Traits, kIsCausal>, p, stream, maps);
+    auto kernel = &flash_fwd_hopper_kernel<Traits, kIsCausal>;
+    constexpr int kSmem = Traits::kSmemBytes;
+    FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    const int num_tiles = fwd_tiles<Traits::kBlockM>(p).num_tiles;
+    kernel<<<std::min(p.num_sms, num_tiles), Traits::kNThreads, kSmem, stream>>>(p, maps);
+    FLASH_LAUNCH_CHECK();
+    return cudaSuccess;
 }
 
 // A config may name OneBlockTraits: what to run where the SM's shared memory cannot hold the

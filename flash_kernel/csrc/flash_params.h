@@ -37,6 +37,8 @@ struct FwdParams {
 
     bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
     int causal_group_heads;  // causal forward only: (batch, head) pairs per group of its block order (causal_order.h)
+    int num_sms;       // the device's SMs: the Hopper forward's persistent grid (fwd_tile_scheduler.h)
+    int* tile_counter;  // Hopper causal forward: a zeroed int its blocks take their next tile from; else unused
     bool is_bf16;    // else fp16
     bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp:
                      // FLASH_KERNEL_FWD / FLASH_KERNEL_BWD); head dims without one (hopper_kernel_traits.h,

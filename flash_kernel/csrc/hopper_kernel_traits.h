@@ -42,9 +42,10 @@ struct HopperFwdTraits {
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemTileBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes;
-    static constexpr int kNMbarriers = 4 * kNStages + 1;  // K full, V full, K empty, V empty per stage; Q full
-    // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
-    static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + kSwizzleAtomBytes;
+    static constexpr int kNMbarriers = 4 * kNStages + 2;  // K full, V full, K empty, V empty per stage; Q full, empty
+    // + the next tile's index (8 bytes, fwd_tile_scheduler.h) + one swizzle atom of slack: the kernel rounds the
+    // dynamic shared-memory base up to 1024 bytes.
+    static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + 8 + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");

@@ -231,6 +231,17 @@ def test_batch_and_many_heads():
     run_case(5, 129, 129, 12, 3, 64, torch.bfloat16, causal=True)
 
 
+# The Hopper forward is persistent (fwd_tile_scheduler.h): one block per SM loops over query-block tiles, causal
+# blocks taking theirs from a counter. Here every block runs ~10 tiles of different lengths, the stages and barrier
+# phases run on across them, and with Tq > Tk half of each head's query blocks see no key (written after the
+# main tiles); o and lse are NaN-poisoned, so a tile never run shows.
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1500, 1500), (1500, 700), (700, 1500)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_persistent_forward_many_tiles(D, causal, seqlen_q, seqlen_k):
+    run_case(3, seqlen_q, seqlen_k, 40, 8, D, torch.bfloat16, causal)
+
+
 # Causal forward grids run in an order of their own (causal_order.h): groups of (batch, head) pairs, longest
 # block first. Short shapes make one group of every pair; these force groups of 1, of 3 over 2 x 5 pairs (the
 # last one short) and of 4 over 3 x 4 (whole): every query block written once (o is NaN-poisoned).

@@ -1,0 +1,74 @@
+// The Hopper forward's persistent schedule (v16): one thread block per SM, each looping over query-block tiles.
+//
+// Why: a Hopper forward block holds nearly all of an SM's shared memory, so the hardware starts the SM's next
+// block only once the last one has exited. The tail of one tile (its last P V, O's stores) and the head of the
+// next (barrier set-up, Q and the first K landing, the first S alone on the tensor cores) then run back to back
+// with the tensor cores mostly idle: about 2.3 key blocks' worth of time per hd128 tile, derived from the
+// forward's TFLOP/s at 2k and 16k (docs/kernel_notes.md, "v16"). A persistent block loads its next tile's Q and
+// first K/V while it finishes the current one, and one warpgroup starts the next tile while the other finishes.
+//
+// Which tile next:
+//   - non-causal: every tile visits the same key blocks, so block b takes tiles b, b + grid, b + 2 grid, ...
+//     in the grid's order (query block fastest, so the blocks running together share a few heads' K and V in L2);
+//   - causal: query block i visits i + 1 key blocks, and no static assignment of causal_order.h's longest-first
+//     order comes close to the hardware's greedy one (a greedy-schedule model of 132 SMs: a round robin leaves
+//     the longest block 27-30% above the mean at hd128, 3% at hd64); so a causal block takes its next tile from
+//     a zeroed counter in global memory (atomicAdd), greedily, in that same order.
+// Tiles are numbered over the query blocks that see a key. In a causal grid with Tq > Tk the first m_first blocks
+// of every head see none (O = 0, LSE = +inf); the blocks write those after their main tiles.
+#pragma once
+
+#include "causal_order.h"
+#include "flash_params.h"
+#include "utils.cuh"
+
+namespace flash {
+
+struct FwdTiles {
+    int n_blocks;   // query blocks per (batch, head)
+    int m_first;    // blocks [0, m_first) of every head see no key (causal, Tq > Tk), else 0
+    int num_tiles;  // (n_blocks - m_first) * h * b: the tiles with at least one key
+    int num_empty;  // m_first * h * b
+};
+
+// Host (the launch's grid) and device (every block) compute the same numbers.
+template <int kBlockM>
+__host__ __device__ inline FwdTiles fwd_tiles(const FwdParams& p) {
+    FwdTiles t;
+    t.n_blocks = ceil_div(p.seqlen_q, kBlockM);
+    // Query block m sees a key iff (m + 1) kBlockM + (Tk - Tq) > 0 (the causal bound of its last row); Tk >= 1
+    // makes m_first < n_blocks.
+    const int hidden_rows = p.seqlen_q - p.seqlen_k;
+    t.m_first = p.is_causal && hidden_rows > 0 ? hidden_rows / kBlockM : 0;
+    t.num_tiles = (t.n_blocks - t.m_first) * p.h * p.b;
+    t.num_empty = t.m_first * p.h * p.b;
+    return t;
+}
+
+#ifdef __CUDACC__
+// The (query block, head, batch) of main tile `tile`.
+template <bool kIsCausal>
+__device__ __forceinline__ BlockCoord fwd_tile_coord(const FwdTiles& t, const FwdParams& p, int tile) {
+    if constexpr (kIsCausal) {
+        BlockCoord c = causal_tile_coord(tile, t.n_blocks - t.m_first, p.h, p.h * p.b, p.causal_group_heads);
+        c.block += t.m_first;
+        return c;
+    }
+    return {tile % t.n_blocks, tile / t.n_blocks % p.h, tile / (t.n_blocks * p.h)};
+}
+
+// The (query block, head, batch) of empty tile `e` (blocks [0, m_first) of each head).
+__device__ __forceinline__ BlockCoord fwd_empty_tile_coord(const FwdTiles& t, const FwdParams& p, int e) {
+    return {e % t.m_first, e / t.m_first % p.h, e / (t.m_first * p.h)};
+}
+
+// The tile this block runs after `tile`; >= num_tiles when it has none left. Causal: one thread of the block
+// calls it (an atomic per tile) and shares the answer through shared memory.
+template <bool kIsCausal>
+__device__ __forceinline__ int fwd_next_tile(const FwdParams& p, int tile) {
+    if constexpr (kIsCausal) return static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
+    return tile + static_cast<int>(gridDim.x);
+}
+#endif
+
+}  // namespace flash
