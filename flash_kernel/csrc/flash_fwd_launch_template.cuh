@@ -56,9 +56,14 @@ template <typename Element, int kHeadDim>
 cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     if constexpr (HopperFwdConfig<kHeadDim, Element>::kAvailable) {
         if (params.use_sm90) {
-            using HopperTraits = typename HopperFwdConfig<kHeadDim, Element>::Traits;
+            using Config = HopperFwdConfig<kHeadDim, Element>;
             return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-                return launch_fwd_hopper<HopperTraits, kIsCausal>(params, stream);
+                if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
+                    if (params.seqlen_k < Config::kLongKeys) {
+                        return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal>(params, stream);
+                    }
+                }
+                return launch_fwd_hopper<typename Config::Traits, kIsCausal>(params, stream);
             });
         }
     }

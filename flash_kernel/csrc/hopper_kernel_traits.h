@@ -58,6 +58,10 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
+// A config runs Traits from kLongKeys keys up and ShortTraits below (v17). Wider key blocks (192 at hd128, 256 at
+// hd64) cut the turns per key by a third or a half, and with them each turn's fixed work (barriers, the rows' max
+// and sum, O's rescale): 3-12% faster from 2k keys up. Below, where a tile has few key blocks, the causal
+// diagonal's masked block grows with them, and they ran 2-12% slower (docs/kernel_notes.md, "v17").
 //                                                                           hd   Bc stages minBlk
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
@@ -66,15 +70,22 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // At hd64 a warpgroup's softmax needs as many SFU cycles as its turn on the tensor cores (64 ex2 per thread
     // against two 64x128x64 matmuls): 1 exponential in 8 by polynomial balances the SFU against the issue slots
     // the polynomial costs (v13: forward +2 to +4% at T >= 2k; 1 in 4 gained nothing).
-    using Traits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8>;
+    using Traits = HopperFwdTraits<64, 256, 3, 1, E, 64, 8>;       // 209 KB of shared memory; 250 registers
+    using ShortTraits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8>;  // 113 KB
+    static constexpr int kLongKeys = 2048;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperFwdTraits<128, 128, 3, 1, E, 96>;  // hd128's tiles, 6 of 8 k16 steps in Q K^T
+    // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks ran hd80 causal 3-4% slower at 4k-8k (v17).
+    using Traits = HopperFwdTraits<128, 128, 3, 1, E, 96>;
+    using ShortTraits = Traits;
+    static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperFwdTraits<128, 128, 3, 1, E>;  // 225 KB of shared memory
+    using Traits = HopperFwdTraits<128, 192, 2, 1, E>;       // 225 KB of shared memory; 234 registers
+    using ShortTraits = HopperFwdTraits<128, 128, 3, 1, E>;  // 225 KB
+    static constexpr int kLongKeys = 2048;
 };
 #endif
 
