@@ -1,11 +1,11 @@
 // The Hopper forward's persistent schedule (v16): one thread block per SM, each looping over query-block tiles.
 //
 // Why: a Hopper forward block holds nearly all of an SM's shared memory, so the hardware starts the SM's next
-// block only once the last one has exited. The tail of one tile (its last P V, O's stores) and the head of the
-// next (barrier set-up, Q and the first K landing, the first S alone on the tensor cores) then run back to back
-// with the tensor cores mostly idle: about 2.3 key blocks' worth of time per hd128 tile, derived from the
-// forward's TFLOP/s at 2k and 16k (docs/kernel_notes.md, "v16"). A persistent block loads its next tile's Q and
-// first K/V while it finishes the current one, and one warpgroup starts the next tile while the other finishes.
+// block only once the last one has exited, and the tail of one tile (its last P V, O's stores) and the head of
+// the next (barrier set-up, Q and the first K landing, the first S) run back to back. A persistent block loads its
+// next tile's Q and first K/V while it finishes the current one, and one warpgroup starts the next tile while the
+// other finishes. Measured against the grid of one block per tile: hd64 forward +1 to +9%, hd128 unchanged, whose
+// fixed time per tile turned out to lie elsewhere (docs/kernel_notes.md, "v16").
 //
 // Which tile next:
 //   - non-causal: every tile visits the same key blocks, so block b takes tiles b, b + grid, b + 2 grid, ...
