@@ -206,7 +206,8 @@ def test_unknown_kernel_path_is_refused(monkeypatch, pass_, name):
             kernel_bwd(do, q, k, v, torch.zeros_like(q), torch.zeros(1, 2, 16, device="cuda"), True, 0.125)
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 255), (255, 113)])
+# (300, 2100): from 2048 keys the Hopper forward's wide key blocks (hopper_kernel_traits.h) under the same padding.
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 255), (255, 113), (300, 2100)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", ODD_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
