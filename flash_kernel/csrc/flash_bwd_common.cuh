@@ -12,7 +12,7 @@
 //  13          dV_j += P_ij^T dO_i
 //  14          dP_ij = dO_i V_j^T                  (again transposed: dP^T = V_j dO_i^T)
 //  15          dS_ij = P_ij o (dP_ij - D_i)
-//  16          dQ_i += dS_ij K_j                   (fp32 atomics into dq_accum; or ordered, see below)
+//  16          dQ_i += dS_ij K_j                   (fp32 reduce-adds into dq_accum; or ordered, see below)
 //  17          dK_j += dS_ij^T Q_i
 //  19        write dK_j (times softmax_scale), dV_j
 //   -      dQ = softmax_scale * sum_splits(dq_accum) in the input dtype      -> bwd_convert_dq_kernel
@@ -116,9 +116,18 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
     }
 }
 
+// Where the Hopper backward's dq_accum keeps a row's 16-byte chunk c (columns 4c .. 4c + 3) of query q: at chunk
+// c ^ (q % 8). Its dQ tiles reach dq_accum by the TMA unit's bulk reduce, which adds a tile's bytes as they lie
+// in shared memory, and there the chunks are swizzled by row so that the accumulators' float2 stores (8 rows x
+// 2 chunks per warp instruction) fall on every bank once (flash_bwd_hopper_kernel.cuh). A row of d_rounded
+// floats is a whole number of 8-chunk groups (d_rounded 64, 96 or 128), which the XOR stays inside. The sm80
+// kernel's dq_accum is plain row-major.
+__host__ __device__ __forceinline__ int dq_accum_chunk(int c, int q) { return c ^ (q % 8); }
+
 // dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides; 8
-// columns (two float4 loads per split, one 16-byte store) per thread and step.
-template <typename Element, int kHeadDim>
+// columns (two float4 loads per split, one 16-byte store) per thread and step. kSwizzledChunks: dq_accum in the
+// Hopper backward's layout (dq_accum_chunk; one split).
+template <typename Element, int kHeadDim, bool kSwizzledChunks>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
     const RowThread th = row_thread<kHeadDim>();
@@ -128,7 +137,9 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const
                    static_cast<int64_t>(th.q) * params.dq_row_stride + th.bidh * params.dq_head_stride;
     const float sc = params.scale_softmax;
     for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
-        float4 lo = *reinterpret_cast<const float4*>(src + col), hi = *reinterpret_cast<const float4*>(src + col + 4);
+        const int lo_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4, th.q) : col;
+        const int hi_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4 + 1, th.q) : col + 4;
+        float4 lo = *reinterpret_cast<const float4*>(src + lo_col), hi = *reinterpret_cast<const float4*>(src + hi_col);
         for (int split = 1; split < params.num_splits; ++split) {
             const float* other = src + split * params.dq_accum_split_stride + col;
             const float4 a = *reinterpret_cast<const float4*>(other), b = *reinterpret_cast<const float4*>(other + 4);

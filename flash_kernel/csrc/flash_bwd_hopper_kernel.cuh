@@ -15,8 +15,8 @@
 //            dS^T -> shared memory (swizzled, keys x queries); block barrier
 //   line 16  dQ_i += dS_i K_j          ss: A = dS^T read M-major (transposed by the instruction), B = K (N-major);
 //            each warpgroup 64 queries x kDqCols over all 128 keys (hopper_bwd_traits.h), staged in shared
-//            memory (fp32) and added into dq_accum with 16-byte atomics by iteration i+1 while its S^T, dP^T,
-//            dV and dK are on the tensor cores (or after the loop).
+//            memory (fp32) and added into dq_accum by one bulk reduce of the TMA unit, issued by iteration i+1
+//            once its S^T and dP^T are on the tensor cores (or after the loop).
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     unsigned char* sdS_ptr = smem + (sdS - sK);
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
-    float* sdQ = sDelta + kNStages * kBlockM;          // [kBlockM][kSdqStride]: fp32 dQ_i
-    constexpr int kSdqStride = Traits::kSdqStride;
+    float* sdQ = sDelta + kNStages * kBlockM;  // [kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled by row
+    constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (d_rounded)
     const uint32_t full_kv = smem_addr(sdQ) + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
@@ -126,28 +126,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cp_async_commit();
     };
 
-    // dQ of query block m_block, staged in sdQ, added into dq_accum with 16-byte fp32 atomics
-    // (red.global.add.v4.f32; consecutive threads take consecutive 16 bytes of a row). Against adding 8-byte
-    // atomics straight from the accumulators after the wait (v7.0), the backward gained 12-18% at hd128 and
-    // 33-48% at hd64; with the TMA unit's reduce-adds instead it ran at 0.35-0.78 x (per row, v8), 0.71-0.94 x
-    // (per 64 x 32 swizzled box, v9) and 0.96-1.06 x at hd128 (the whole tile, from a producer warp: v12's
-    // candidate) of this. This reduction is what holds the hd128 backward below cuDNN: a build without it ran
-    // 1.15-1.25 x faster (docs/kernel_notes.md, "v12 and v13"). Steps [step_begin, step_end) of kFlushSteps:
-    // three quarters go out while S^T and dP^T are on the tensor cores, the rest while dV and dK are (v14:
-    // hd128 backward +3-5% over the whole flush between the S^T / dP^T issue and the softmax, on its path;
-    // other splits in docs/kernel_notes.md, "v14").
-    constexpr int kVecsPerRow = kHeadDim / 4;
-    constexpr int kFlushSteps = kBlockM * kVecsPerRow / kNThreads;
-    constexpr int kFlushEarlySteps = kFlushSteps * 3 / 4;
-    auto flush_dq = [&](int m_block, int step_begin, int step_end) {
-        const int row0 = m_block * kBlockM;
-#pragma unroll
-        for (int step = step_begin; step < step_end; ++step) {
-            const int idx = step * kNThreads + tid, row = idx / kVecsPerRow, col = (idx % kVecsPerRow) * 4;
-            const float4 val = *reinterpret_cast<const float4*>(sdQ + row * kSdqStride + col);
-            if (row0 + row < seqlen_q && col < d) {
-                atomicAdd(reinterpret_cast<float4*>(dq_accum + static_cast<int64_t>(row0 + row) * params.d_rounded + col), val);
-            }
+    // dQ_i of query block m_block, staged in sdQ, added into dq_accum by the TMA unit: one bulk reduce-add of the
+    // tile's rows (as many as Tq has) from thread 0, in the chunk-swizzled layout that dq_accum shares with sdQ
+    // (dq_accum_chunk, flash_bwd_common.cuh). The threads' own adds (v7-v17: 16-byte red.global.add from sdQ,
+    // split around the tensor-core windows) took issue slots and LSU bandwidth from the softmax's warps; this
+    // runs the backward 4-11% faster (docs/kernel_notes.md, "v18"). Thread 0 waits for the reduce's
+    // shared-memory reads before the barrier that precedes the next sdQ stores.
+    auto reduce_dq = [&](int m_block) {
+        if (tid == 0) {
+            const int row0 = m_block * kBlockM;
+            bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, smem_addr(sdQ),
+                                min(kBlockM, seqlen_q - row0) * kDqRow * static_cast<int>(sizeof(float)));
+            bulk_commit_group();
         }
     };
 
@@ -212,9 +202,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         wgmma_commit();
 
-        // Iteration i-1's dQ tile, staged in shared memory before this iteration's first barrier, goes out
-        // while S^T and dP^T are on the tensor cores (its last quarter while dV and dK are).
-        if (m_block > m_block_min) flush_dq(m_block - 1, 0, kFlushEarlySteps);
+        // Iteration i-1's dQ tile, staged in shared memory before this iteration's first barrier.
+        if (m_block > m_block_min) reduce_dq(m_block - 1);
 
         // Line 12 while dP^T runs: mask keys past Tk (zero-filled K rows would give P = exp(-L), which can
         // overflow) and, on diagonal blocks, keys a query may not see; then P^T = exp2(S^T scale log2e - L log2e).
@@ -282,9 +271,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             Wgmma<Element, kHeadDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
         }
         wgmma_commit();
-        if (m_block > m_block_min) flush_dq(m_block - 1, kFlushEarlySteps, kFlushSteps);
 
-        // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K.
+        // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K. Past
+        // this barrier sdQ is free: the reduce of iteration i-1 has read it.
+        if (tid == 0) bulk_wait_group_read<0>();
         fence_view_async_shared();
         __syncthreads();
         float dq[Traits::kDqCols / 2];
@@ -301,23 +291,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         pin_registers(dq);
         pin_registers(p_frag);
         pin_registers(ds_frag);
-        // To this warpgroup's part of sdQ (both parts of iteration i-1's flush read it before this iteration's
-        // second barrier); flushed by the next iteration, or after the loop.
-        float* part = sdQ + dq_row0 * kSdqStride + dq_col0;
+        // To this warpgroup's part of sdQ (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t + {0, 1});
+        // columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
+        // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+            const int row = dq_row0 + wg_row + 8 * r;
 #pragma unroll
             for (int i = 0; i < kNTilesDq; ++i) {
-                *reinterpret_cast<float2*>(part + (wg_row + 8 * r) * kSdqStride + i * kMmaN + 2 * t) =
-                    make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                const int col = dq_col0 + i * kMmaN + 2 * t;
+                if (col < kDqRow) {
+                    *reinterpret_cast<float2*>(sdQ + row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4) =
+                        make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                }
             }
         }
+        fence_view_async_shared();
     }
 
     // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them
     // completed), in the swizzled layout, then 16-byte rows to global memory.
     __syncthreads();
-    if (m_block_min < m_block_max) flush_dq(m_block_max - 1, 0, kFlushSteps);  // the last query block's dQ
+    if (m_block_min < m_block_max) reduce_dq(m_block_max - 1);  // the last query block's dQ
 #pragma unroll
     for (int i = 0; i < kNTilesD; ++i) {
         const int within = 2 * t * static_cast<int>(sizeof(Element));
@@ -337,6 +332,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   key0 * params.dv_row_stride;
     store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dk, smem, params.dk_row_stride, valid_keys, d);
     store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride, valid_keys, d);
+    if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_bwd_traits.h)
 #endif

@@ -59,19 +59,18 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     FLASH_LAUNCH_CHECK();
 
     // Alg. 2 lines 6-20: the Hopper kernel where there is one (not for the ordered deterministic splits), else
-    // the sm80 kernel.
-    const cudaError_t main_err = [&]() -> cudaError_t {
-        if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
-            if (params.use_sm90 && !params.deterministic) {
-                return launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream);
-            }
+    // the sm80 kernel; then dQ = scale * sum_splits(dq_accum) -> input dtype, reading dq_accum in the layout
+    // that kernel wrote (flash_bwd_common.cuh, dq_accum_chunk).
+    if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
+        if (params.use_sm90 && !params.deterministic) {
+            FLASH_RETURN_IF_ERROR((launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream)));
+            bwd_convert_dq_kernel<Element, kHeadDim, true><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
+            FLASH_LAUNCH_CHECK();
+            return cudaSuccess;
         }
-        return launch_bwd_sm80<typename BwdConfig<kHeadDim, Element>::Traits>(params, stream);
-    }();
-    FLASH_RETURN_IF_ERROR(main_err);
-
-    // dQ = scale * sum_splits(dq_accum) -> input dtype.
-    bwd_convert_dq_kernel<Element, kHeadDim><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
+    }
+    FLASH_RETURN_IF_ERROR((launch_bwd_sm80<typename BwdConfig<kHeadDim, Element>::Traits>(params, stream)));
+    bwd_convert_dq_kernel<Element, kHeadDim, false><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;
 }

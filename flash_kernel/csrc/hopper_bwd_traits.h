@@ -28,8 +28,6 @@ struct HopperBwdTraits {
     // dQ: each warpgroup a (64 queries x kDqCols) tile over all kBlockN keys.
     static constexpr bool kDqSplitQueries = kBlockM == kNWarpgroups * kWarpgroupRows;
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
-    static constexpr int kSdqStride = kHeadDim + 8;  // floats per sdQ row: + 8 keeps each half-warp's float2 stores
-                                                     // (rows g, columns 2t) on distinct banks
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
@@ -37,7 +35,7 @@ struct HopperBwdTraits {
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
     static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
     static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
-    static constexpr int kSmemDqBytes = kBlockM * kSdqStride * 4;            // dQ_i, flushed by iteration i+1
+    static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of d_rounded), reduced by iteration i+1
     static constexpr int kSmemBarBytes = 8 * (1 + kNStages);                 // mbarriers: K/V, Q_i/dO_i per stage
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes = kSmemTileBytes + kSmemRowStatBytes + kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
@@ -48,7 +46,7 @@ struct HopperBwdTraits {
                   "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
-    static_assert(kBlockM * kHeadDim / 4 % kNThreads == 0, "the dQ flush: whole float4 steps per thread");
+    static_assert(kQKDim % 32 == 0, "sdQ rows of whole 8-chunk groups (dq_accum_chunk's swizzle)");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
 };
 

@@ -118,4 +118,19 @@ __device__ __forceinline__ void tma_load_rows(uint32_t smem, const CUtensorMap* 
     }
 }
 
+// Bulk (non-tensor) reduce-add: `bytes` contiguous bytes of fp32 in shared memory added element-wise into global
+// memory by the TMA unit, one instruction of one thread; tracked in that thread's bulk async-group. The
+// shared-memory source must be made visible to the async proxy first (fence_view_async_shared by its writers).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(reinterpret_cast<uint64_t>(gmem)), "r"(smem), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most kPending of this thread's bulk groups are still reading their shared-memory source.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
 }  // namespace flash
