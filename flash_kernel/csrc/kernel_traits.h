@@ -154,11 +154,14 @@ struct BwdVariantTraits : Base {
 // Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
 // sweep). Forward: 128 query rows per block either as 4 warps x 2 m16 tiles (small head dims: each K/V
 // fragment feeds two MMAs) or 8 warps x 1 tile (head dim >= 96, where two tiles' accumulators would
-// spill); Q fragments stay in registers where they fit. Backward: see BwdConfig below.
+// spill); Q fragments stay in registers at 32 and 96. At 64 they made the kernel spill 68 B (sm_80, 255
+// registers; 36 B non-causal and none causal without them): re-read from shared memory instead, the forward ran
+// 1.07-1.09 x faster non-causal and 1.04-1.08 x causal on the H100 (docs/kernel_notes.md, "v19"). Backward: see
+// BwdConfig below.
 //                                                                       hd   Br   Bc warps Q-regs minBlk stages
 template <int kHeadDim, typename Element> struct FwdConfig;
 template <typename E> struct FwdConfig<32, E>  { using Traits = FwdKernelTraits<32, 128, 64, 4, true, 2, 3, E>; };
-template <typename E> struct FwdConfig<64, E>  { using Traits = FwdKernelTraits<64, 128, 64, 4, true, 1, 3, E>; };
+template <typename E> struct FwdConfig<64, E>  { using Traits = FwdKernelTraits<64, 128, 64, 4, false, 1, 3, E>; };
 template <typename E> struct FwdConfig<96, E>  { using Traits = FwdKernelTraits<96, 128, 64, 8, true, 1, 3, E>; };
 #if FLASH_FWD_HD128_VARIANT == 0
 template <typename E> struct FwdConfig<128, E> { using Traits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>; };
