@@ -62,6 +62,8 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     // the sm80 kernel; then dQ = scale * sum_splits(dq_accum) -> input dtype, reading dq_accum in the layout
     // that kernel wrote (flash_bwd_common.cuh, dq_accum_chunk).
     if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
+        static_assert(HopperBwdConfig<kHeadDim, Element>::Traits::kQKDim == kHeadDim,
+                      "the Hopper kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
         if (params.use_sm90 && !params.deterministic) {
             FLASH_RETURN_IF_ERROR((launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream)));
             bwd_convert_dq_kernel<Element, kHeadDim, true><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
