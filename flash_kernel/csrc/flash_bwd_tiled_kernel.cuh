@@ -14,19 +14,20 @@
 
 namespace flash {
 
-// Write a warp's (kMTiles m16 x kNTiles n8) fp32 C fragments, times sc, as Element into a padded
-// row-major shared-memory tile: fragment (mt, i) lands at rows row0 + 16 mt + {0, 8}, columns col0 + 8 i
+// Write a warp's (kMTiles m16 x kNTiles n8) fp32 C fragments, times sc, as Element into a row-major
+// shared-memory tile laid out as Tile: fragment (mt, i) lands at rows row0 + 16 mt + {0, 8}, columns col0 + 8 i
 // (row0 and col0 already include this lane's g and 2t).
-template <int kMTiles, int kNTiles, int kStride, typename Element>
+template <int kMTiles, int kNTiles, typename Tile, typename Element>
 __device__ __forceinline__ void store_acc_tile(Element* s, const float (&acc)[kMTiles][kNTiles][4], int row0, int col0,
                                                float sc) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int i = 0; i < kNTiles; ++i) {
-            Element* dst = s + (row0 + mt * kMmaM) * kStride + col0 + i * kMmaN;
+            Element* dst = s + Tile::index(row0 + mt * kMmaM, col0 + i * kMmaN);
             *reinterpret_cast<uint32_t*>(dst) = pack2<Element>(acc[mt][i][0] * sc, acc[mt][i][1] * sc);
-            *reinterpret_cast<uint32_t*>(dst + 8 * kStride) = pack2<Element>(acc[mt][i][2] * sc, acc[mt][i][3] * sc);
+            // 8 rows down keeps the row's swizzle
+            *reinterpret_cast<uint32_t*>(dst + 8 * Tile::kStride) = pack2<Element>(acc[mt][i][2] * sc, acc[mt][i][3] * sc);
         }
     }
 }
@@ -62,8 +63,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kNThreads = Traits::kNThreads;
     constexpr int kNWarps = Traits::kNWarps;
-    constexpr int kStride = Traits::kSmemStride;
+    using Tile = typename Traits::Tile;  // shared-memory layout of K, V, Q, dO (smem_tile.h)
+    using DsTile = SmemTile<kBlockM, false>;  // dS^T and P^T: padded rows of kBlockM queries
     constexpr int kDsStride = Traits::kSmemDsStride;
+    static_assert(DsTile::kStride == kDsStride, "dS^T tile stride");
     constexpr int kOutCols = Traits::kOutCols;
     constexpr int kNTilesD = kOutCols / kMmaN;  // n8 tiles of dK / dV per warp (from registers)
     constexpr int kKStepsD = kHeadDim / kMmaK;
@@ -87,13 +90,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     constexpr int kDqNTiles = Traits::kDqCols / kMmaN;
     static_assert(kPInSmem || kSdpKTiles == 1, "P^T from registers: a warp's S^T tile is one m16 tile of keys");
     static_assert(Traits::kDoStages == 2 || kDkFromSmem, "one dO stage is refilled after the barrier (late loads)");
-    constexpr uint32_t kMTileBytes = kMmaM * kStride * sizeof(Element);
+    // Tile::step moves a lane's ldmatrix address by chunk offsets whose bits must be disjoint from the lane's own
+    // column's: warps' column offsets (multiples of kOutCols, kDkvCols, kDqCols) must be powers of two.
+    static_assert(!Tile::kSwizzled || ((kOutCols & (kOutCols - 1)) == 0 && (kDkvCols & (kDkvCols - 1)) == 0 &&
+                                       (Traits::kDqCols & (Traits::kDqCols - 1)) == 0),
+                  "swizzled tiles: warp column offsets must be powers of two");
+    constexpr uint32_t kQTileBytes = Traits::kSmemQTileElems * sizeof(Element);
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Element* sK = reinterpret_cast<Element*>(smem_raw);                // [kBlockN][kStride]
-    Element* sV = sK + Traits::kSmemKVElems;                           // [kBlockN][kStride]
-    Element* sQ = sV + Traits::kSmemKVElems;                           // [kNStages][kBlockM][kStride]
-    Element* sdO = sQ + Traits::kNStages * Traits::kSmemQTileElems;    // [kDoStages][kBlockM][kStride]
+    Element* sK = reinterpret_cast<Element*>(align_smem<Tile::kAlign>(smem_raw));  // [kBlockN][kHeadDim] as Tile
+    Element* sV = sK + Traits::kSmemKVElems;                           // [kBlockN][kHeadDim] as Tile
+    Element* sQ = sV + Traits::kSmemKVElems;                           // [kNStages][kBlockM][kHeadDim] as Tile
+    Element* sdO = sQ + Traits::kNStages * Traits::kSmemQTileElems;    // [kDoStages][kBlockM][kHeadDim] as Tile
     Element* sdS = sdO + Traits::kDoStages * Traits::kSmemQTileElems;  // [kBlockN][kDsStride]: dS^T
     Element* sP = sdS + Traits::kSmemDsElems;                          // [kBlockN][kDsStride]: P^T (kPInSmem)
     float* sLse = reinterpret_cast<float*>(sP + Traits::kSmemPElems);  // [kNStages][kBlockM], LSE * log2e
@@ -127,6 +135,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     const int sdp_key0 = (warp % kSdpWarpsK) * kSdpKTiles * kMmaM, sdp_q0 = (warp / kSdpWarpsK) * kSdpQCols;
     const int dkv_key0 = (warp % kDkvWarpsK) * kDkvKTiles * kMmaM, dkv_c0 = (warp / kDkvWarpsK) * kDkvCols;
     const int dq_q0 = (warp % Traits::kDqWarpsM) * kDqMTiles * kMmaM, dq_c0 = (warp / Traits::kDqWarpsM) * Traits::kDqCols;
+    // Byte offsets, inside a tile, of this lane's first ldmatrix address per operand; Tile::step walks from them.
+    const uint32_t q_b_lane = Tile::index(sdp_q0 + b_row, b_col) * sizeof(Element);            // Q_i, dO_i as B
+    const uint32_t q_bt_lane = Tile::index(bt_row, col0 + bt_col) * sizeof(Element);           // Q_i, dO_i as B^T
+    const uint32_t dkv_bt_lane = Tile::index(bt_row, col0 + dkv_c0 + bt_col) * sizeof(Element);  // after the barrier
+    const uint32_t dq_bt_lane = Tile::index(bt_row, col0 + dq_c0 + bt_col) * sizeof(Element);     // K_j as B^T
 
     const int num_n_blocks = ceil_div(seqlen_k, kBlockN);
     const int m_block_max = ceil_div(seqlen_q, kBlockM);
@@ -135,12 +148,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     // Rows past Tq get L = +inf (so P = 0) and D = 0.
     auto load_q = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile_async_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
+        copy_tile_async_stepped<kBlockM, Tile, kNThreads>(
             sQ + stage * Traits::kSmemQTileElems, q + row0 * params.q_row_stride, params.q_row_stride, seqlen_q - row0, d);
     };
     auto load_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
-        copy_tile_async_stepped<kBlockM, kHeadDim, kStride, kNThreads>(
+        copy_tile_async_stepped<kBlockM, Tile, kNThreads>(
             sdO + stage * Traits::kSmemQTileElems, dO + row0 * params.do_row_stride, params.do_row_stride, seqlen_q - row0, d);
     };
     auto load_lse_delta = [&](int m_block, int stage) {
@@ -148,8 +161,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                                        seqlen_q, tid);
     };
     // acc (kDkvKTiles x kDkvNTiles, this warp's dK/dV tile) += X^T Y over the block's kBlockM queries:
-    // X^T (keys x queries) from sXt [kBlockN][kDsStride] (P^T or dS^T), Y (queries x head dim) from sY.
-    auto mma_xt_y = [&](float (&acc)[kDkvKTiles][kDkvNTiles][4], const Element* sXt, const Element* sY) {
+    // X^T (keys x queries) from sXt [kBlockN][kDsStride] (P^T or dS^T), Y (queries x head dim) from the tile
+    // whose address plus dkv_bt_lane is y_at.
+    auto mma_xt_y = [&](float (&acc)[kDkvKTiles][kDkvNTiles][4], const Element* sXt, uint32_t y_at) {
 #pragma unroll
         for (int kk = 0; kk < kKStepsM; ++kk) {
             uint32_t a[kDkvKTiles][4];
@@ -160,7 +174,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
             for (int dp = 0; dp < kDkvNTiles / 2; ++dp) {
                 uint32_t b[4];
-                ldmatrix_x4_trans(b, smem_addr(sY + (kk * kMmaK + bt_row) * kStride + col0 + dkv_c0 + dp * 16 + bt_col));
+                ldmatrix_tile<Tile, true>(b, y_at, kk * kMmaK, dp * 16);
 #pragma unroll
                 for (int mt = 0; mt < kDkvKTiles; ++mt) {
                     Mma<Element>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
@@ -177,10 +191,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
 
         // Alg. 2 lines 7-8.
-        copy_tile_async_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sK, k + key0 * params.k_row_stride,
-                                                                            params.k_row_stride, valid_keys, d);
-        copy_tile_async_stepped<kBlockN, kHeadDim, kStride, kNThreads>(sV, v + key0 * params.v_row_stride,
-                                                                            params.v_row_stride, valid_keys, d);
+        copy_tile_async_stepped<kBlockN, Tile, kNThreads>(sK, k + key0 * params.k_row_stride, params.k_row_stride,
+                                                          valid_keys, d);
+        copy_tile_async_stepped<kBlockN, Tile, kNThreads>(sV, v + key0 * params.v_row_stride, params.v_row_stride,
+                                                          valid_keys, d);
         const QueryBlockOrder order = query_block_order<!kIsCausal>(m_block_min, m_block_max, n_block);
         if (order.n > 0) {
             load_q(order(0), 0);
@@ -200,8 +214,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
             for (int i = 0; i < kDvNTiles; ++i) acc_dv[mt][i][0] = acc_dv[mt][i][1] = acc_dv[mt][i][2] = acc_dv[mt][i][3] = 0.f;
         }
-        const uint32_t sK_warp = smem_addr(sK + (sdp_key0 + a_row) * kStride + a_col);
-        const uint32_t sV_warp = smem_addr(sV + (sdp_key0 + a_row) * kStride + a_col);
+        const uint32_t sK_warp = smem_addr(sK + Tile::index(sdp_key0 + a_row, a_col));
+        const uint32_t sV_warp = smem_addr(sV + Tile::index(sdp_key0 + a_row, a_col));
         const int key_row = key0 + sdp_key0 + g;  // this thread's keys: key_row + 16 mt + {0, 8}
 
         for (int it = 0; it < order.n; ++it) {
@@ -231,8 +245,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                 cp_async_commit();
             }
 
-            const Element* sQ_st = sQ + stage * Traits::kSmemQTileElems;
-            const Element* sdO_st = sdO + do_stage * Traits::kSmemQTileElems;
+            // This iteration's lane addresses (launder: smem_tile.h).
+            const uint32_t sQ_st = smem_addr(sQ) + stage * kQTileBytes, sdO_st = smem_addr(sdO) + do_stage * kQTileBytes;
+            const uint32_t k_a = launder(sK_warp), v_a = launder(sV_warp), k_bt = launder(smem_addr(sK) + dq_bt_lane);
+            const uint32_t q_b = launder(sQ_st + q_b_lane), do_b = launder(sdO_st + q_b_lane);
             const float* sLse_st = sLse + stage * kBlockM;
             const float* sDelta_st = sDelta + stage * kBlockM;
             const int query0 = m_block * kBlockM;
@@ -248,11 +264,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             for (int kk = 0; kk < kKStepsD; ++kk) {
                 uint32_t a[kSdpKTiles][4];
 #pragma unroll
-                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_x4(a[mt], sK_warp + mt * kMTileBytes + kk * kMmaK * sizeof(Element));
+                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_tile<Tile>(a[mt], k_a, mt * kMmaM, kk * kMmaK);
 #pragma unroll
                 for (int np = 0; np < kNTilesM / 2; ++np) {
                     uint32_t b[4];
-                    ldmatrix_x4(b, smem_addr(sQ_st + (sdp_q0 + np * 16 + b_row) * kStride + kk * kMmaK + b_col));
+                    ldmatrix_tile<Tile>(b, q_b, np * 16, kk * kMmaK);
 #pragma unroll
                     for (int mt = 0; mt < kSdpKTiles; ++mt) {
                         Mma<Element>::run(p[mt][2 * np], a[mt], b[0], b[1]);
@@ -291,6 +307,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             if constexpr (!kPInSmem) {
                 // Alg. 2 line 13: dV_j += P^T dO_i, P^T straight from registers as the A operand.
+                const uint32_t do_bt = launder(sdO_st + q_bt_lane);
 #pragma unroll
                 for (int kk = 0; kk < kKStepsM; ++kk) {
                     uint32_t a[4];
@@ -301,7 +318,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
                     for (int dp = 0; dp < kNTilesD / 2; ++dp) {
                         uint32_t b[4];
-                        ldmatrix_x4_trans(b, smem_addr(sdO_st + (kk * kMmaK + bt_row) * kStride + col0 + dp * 16 + bt_col));
+                        ldmatrix_tile<Tile, true>(b, do_bt, kk * kMmaK, dp * 16);
                         Mma<Element>::run(acc_dv[0][2 * dp], a, b[0], b[1]);
                         Mma<Element>::run(acc_dv[0][2 * dp + 1], a, b[2], b[3]);
                     }
@@ -318,11 +335,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             for (int kk = 0; kk < kKStepsD; ++kk) {
                 uint32_t a[kSdpKTiles][4];
 #pragma unroll
-                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_x4(a[mt], sV_warp + mt * kMTileBytes + kk * kMmaK * sizeof(Element));
+                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_tile<Tile>(a[mt], v_a, mt * kMmaM, kk * kMmaK);
 #pragma unroll
                 for (int np = 0; np < kNTilesM / 2; ++np) {
                     uint32_t b[4];
-                    ldmatrix_x4(b, smem_addr(sdO_st + (sdp_q0 + np * 16 + b_row) * kStride + kk * kMmaK + b_col));
+                    ldmatrix_tile<Tile>(b, do_b, np * 16, kk * kMmaK);
 #pragma unroll
                     for (int mt = 0; mt < kSdpKTiles; ++mt) {
                         Mma<Element>::run(ds[mt][2 * np], a[mt], b[0], b[1]);
@@ -343,6 +360,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             if constexpr (!kDkFromSmem) {
                 // Alg. 2 line 17: dK_j += dS^T Q_i (softmax_scale applied once in the epilogue).
+                const uint32_t q_bt = launder(sQ_st + q_bt_lane);
 #pragma unroll
                 for (int kk = 0; kk < kKStepsM; ++kk) {
                     uint32_t a[4];
@@ -361,7 +379,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
                     for (int dp = 0; dp < kNTilesD / 2; ++dp) {
                         uint32_t b[4];
-                        ldmatrix_x4_trans(b, smem_addr(sQ_st + (kk * kMmaK + bt_row) * kStride + col0 + dp * 16 + bt_col));
+                        ldmatrix_tile<Tile, true>(b, q_bt, kk * kMmaK, dp * 16);
                         Mma<Element>::run(acc_dk[0][2 * dp], a, b[0], b[1]);
                         Mma<Element>::run(acc_dk[0][2 * dp + 1], a, b[2], b[3]);
                     }
@@ -369,14 +387,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             } else {
                 // dS^T (and P^T when dV needs other warps' queries) -> shared memory, for lines 13, 16, 17
                 // after the barrier. The previous iteration's readers passed this iteration's first barrier.
-                store_acc_tile<kSdpKTiles, kNTilesM, kDsStride>(sdS, ds, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
-                if constexpr (kPInSmem) store_acc_tile<kSdpKTiles, kNTilesM, kDsStride>(sP, p, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
+                store_acc_tile<kSdpKTiles, kNTilesM, DsTile>(sdS, ds, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
+                if constexpr (kPInSmem) store_acc_tile<kSdpKTiles, kNTilesM, DsTile>(sP, p, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
             }
             __syncthreads();  // dS^T complete; with early loads also every read of this stage's Q_i / dO_i / L_i / D_i
 
             if constexpr (kPInSmem) {
                 // Alg. 2 line 13: dV_j += P^T dO_i, this warp's (keys x columns) tile.
-                mma_xt_y(acc_dv, sP, sdO_st);
+                mma_xt_y(acc_dv, sP, launder(sdO_st + dkv_bt_lane));
             }
             if constexpr (Traits::kDoStages == 1) {
                 if constexpr (kPInSmem) __syncthreads();  // every warp's last read of dO_i (dV) is done
@@ -385,7 +403,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             if constexpr (kDkFromSmem) {
                 // Alg. 2 line 17: dK_j += dS^T Q_i, this warp's (keys x columns) tile.
-                mma_xt_y(acc_dk, sdS, sQ_st);
+                mma_xt_y(acc_dk, sdS, launder(sQ_st + dkv_bt_lane));
             }
 
             // Alg. 2 line 16: dQ_i += dS K_j, this warp's (16 kDqMTiles queries x kDqCols) tile.
@@ -405,7 +423,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
                 for (int dp = 0; dp < kDqNTiles / 2; ++dp) {
                     uint32_t b[4];
-                    ldmatrix_x4_trans(b, smem_addr(sK + (kk * kMmaK + bt_row) * kStride + col0 + dq_c0 + dp * 16 + bt_col));
+                    ldmatrix_tile<Tile, true>(b, k_bt, kk * kMmaK, dp * 16);
 #pragma unroll
                     for (int mt = 0; mt < kDqMTiles; ++mt) {
                         Mma<Element>::run(dq[mt][2 * dp], a[mt], b[0], b[1]);
@@ -448,17 +466,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         // then 16-byte stores to columns [col0, col0 + kOutCols).
         cp_async_wait<0>();  // nothing in flight may land in sK/sV after the staging stores
         __syncthreads();     // every warp finished reading sK / sV
-        store_acc_tile<kDkKTiles, kDkNTiles, kStride>(sK, acc_dk, (kDkFromSmem ? dkv_key0 : sdp_key0) + g,
-                                                      (kDkFromSmem ? dkv_c0 : 0) + 2 * t, params.scale_softmax);
-        store_acc_tile<kDvKTiles, kDvNTiles, kStride>(sV, acc_dv, (kPInSmem ? dkv_key0 : sdp_key0) + g,
-                                                      (kPInSmem ? dkv_c0 : 0) + 2 * t, 1.f);
+        store_acc_tile<kDkKTiles, kDkNTiles, Tile>(sK, acc_dk, (kDkFromSmem ? dkv_key0 : sdp_key0) + g,
+                                                   (kDkFromSmem ? dkv_c0 : 0) + 2 * t, params.scale_softmax);
+        store_acc_tile<kDvKTiles, kDvNTiles, Tile>(sV, acc_dv, (kPInSmem ? dkv_key0 : sdp_key0) + g,
+                                                   (kPInSmem ? dkv_c0 : 0) + 2 * t, 1.f);
         __syncthreads();
         Element* dk = static_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh * params.dk_head_stride +
                       key0 * params.dk_row_stride + col0;
         Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
                       key0 * params.dv_row_stride + col0;
-        store_tile<kBlockN, kOutCols, kStride, kNThreads>(dk, sK, params.dk_row_stride, valid_keys, d - col0);
-        store_tile<kBlockN, kOutCols, kStride, kNThreads>(dv, sV, params.dv_row_stride, valid_keys, d - col0);
+        store_tile<kBlockN, kOutCols, Tile, kNThreads>(dk, sK, params.dk_row_stride, valid_keys, d - col0);
+        store_tile<kBlockN, kOutCols, Tile, kNThreads>(dv, sV, params.dv_row_stride, valid_keys, d - col0);
         __syncthreads();  // the next K/V block's loads overwrite sK / sV
     }
 }

@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kNThreads = Traits::kNThreads;
-    constexpr int kStride = Traits::kSmemStride;
+    using Tile = typename Traits::Tile;  // shared-memory layout of Q, K, V (smem_tile.h)
     constexpr int kNTilesN = kBlockN / kMmaN;    // n8 tiles of S per warp
     constexpr int kNTilesD = kHeadDim / kMmaN;   // n8 tiles of O per warp
     constexpr int kKStepsD = kHeadDim / kMmaK;   // k16 steps of Q K^T
@@ -48,9 +48,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr bool kStepped = Traits::kSteppedCopy;  // copy_tile_async_stepped (v5 variants) or copy_tile_async
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Element* sQ = reinterpret_cast<Element*>(smem_raw);
-    Element* sK = sQ + Traits::kSmemQElems;                         // [kNStages][kBlockN][kStride]
-    Element* sV = sK + Traits::kNStages * Traits::kSmemKVTileElems;  // [kNStages][kBlockN][kStride]
+    Element* sQ = reinterpret_cast<Element*>(align_smem<Tile::kAlign>(smem_raw));  // [kBlockM][kHeadDim] as Tile
+    Element* sK = sQ + Traits::kSmemQElems;                         // [kNStages][kBlockN][kHeadDim] as Tile
+    Element* sV = sK + Traits::kNStages * Traits::kSmemKVTileElems;  // [kNStages][kBlockN][kHeadDim] as Tile
 
     // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
     const BlockCoord coord = fwd_block_coord<kIsCausal>(params.causal_group_heads);
@@ -84,9 +84,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
 
     // Alg. 1 line 4: Q_i -> shared memory; line 7 for j = 0: K_0, V_0 -> stage 0. One commit group.
-    copy_tile<kStepped, kBlockM, kHeadDim, kStride, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d);
-    copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sK, k, params.k_row_stride, seqlen_k, params.d);
-    copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(sV, v, params.v_row_stride, seqlen_k, params.d);
+    copy_tile<kStepped, kBlockM, Tile, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d);
+    copy_tile<kStepped, kBlockN, Tile, kNThreads>(sK, k, params.k_row_stride, seqlen_k, params.d);
+    copy_tile<kStepped, kBlockN, Tile, kNThreads>(sV, v, params.v_row_stride, seqlen_k, params.d);
     cp_async_commit();
 
     // Alg. 1 line 5. Warp w owns kMTiles m16 row tiles: rows warp * kWarpRows + mt * 16 + {g, g + 8}
@@ -109,8 +109,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;   // A: 16x16 from row-major
     const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;   // B from [n][k] rows
     const int bt_row = (lane % 8) + ((lane / 8) % 2) * 8, bt_col = (lane / 16) * 8; // B^T from [k][n] rows
-    const uint32_t sQ_warp = smem_addr(sQ + (warp * kWarpRows + a_row) * kStride + a_col);
-    constexpr uint32_t kMTileBytes = kMmaM * kStride * sizeof(Element);
+    // Lane addresses of this warp's first ldmatrix in sQ, and in stage 0 of sK / sV; Tile::step walks from them.
+    const uint32_t sQ_warp = smem_addr(sQ + Tile::index(warp * kWarpRows + a_row, a_col));
+    const uint32_t sK_lane = smem_addr(sK + Tile::index(b_row, b_col));
+    const uint32_t sV_lane = smem_addr(sV + Tile::index(bt_row, bt_col));
+    constexpr uint32_t kKVTileBytes = Traits::kSmemKVTileElems * sizeof(Element);
 
     const float scale_log2 = params.scale_softmax_log2;
     const int g = lane / 4, t = lane % 4;
@@ -123,10 +126,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             // it is j-2, and every warp has since passed the barrier at the top of iteration j-1.
             const int next = (n_block + 1) % Traits::kNStages;
             const int key0 = (n_block + 1) * kBlockN;
-            copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(
+            copy_tile<kStepped, kBlockN, Tile, kNThreads>(
                 sK + next * Traits::kSmemKVTileElems, k + key0 * params.k_row_stride, params.k_row_stride,
                 seqlen_k - key0, params.d);
-            copy_tile<kStepped, kBlockN, kHeadDim, kStride, kNThreads>(
+            copy_tile<kStepped, kBlockN, Tile, kNThreads>(
                 sV + next * Traits::kSmemKVTileElems, v + key0 * params.v_row_stride, params.v_row_stride,
                 seqlen_k - key0, params.d);
         }
@@ -139,15 +142,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
                 for (int kk = 0; kk < kKStepsD; ++kk) {
-                    ldmatrix_x4(q_frag[Traits::kQInRegs ? mt : 0][Traits::kQInRegs ? kk : 0],
-                                sQ_warp + mt * kMTileBytes + kk * kMmaK * sizeof(Element));
+                    ldmatrix_tile<Tile>(q_frag[Traits::kQInRegs ? mt : 0][Traits::kQInRegs ? kk : 0], sQ_warp,
+                                        mt * kMmaM, kk * kMmaK);
                 }
             }
         }
 
         // Alg. 1 line 8: S = Q_i K_j^T, (kWarpRows x kBlockN) per warp.
-        const Element* sK_stage = sK + stage * Traits::kSmemKVTileElems;
-        const Element* sV_stage = sV + stage * Traits::kSmemKVTileElems;
+        const uint32_t sK_stage = sK_lane + stage * kKVTileBytes;
+        const uint32_t sV_stage = sV_lane + stage * kKVTileBytes;
         float s[kMTiles][kNTilesN][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -163,13 +166,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[Traits::kQInRegs ? mt : 0][Traits::kQInRegs ? kk : 0][r];
                 } else {
-                    ldmatrix_x4(a[mt], sQ_warp + mt * kMTileBytes + kk * kMmaK * sizeof(Element));
+                    ldmatrix_tile<Tile>(a[mt], sQ_warp, mt * kMmaM, kk * kMmaK);
                 }
             }
 #pragma unroll
             for (int np = 0; np < kNTilesN / 2; ++np) {
                 uint32_t b[4];
-                ldmatrix_x4(b, smem_addr(sK_stage + (np * 16 + b_row) * kStride + kk * kMmaK + b_col));
+                ldmatrix_tile<Tile>(b, sK_stage, np * 16, kk * kMmaK);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     Mma<Element>::run(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -240,7 +243,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int dp = 0; dp < kNTilesD / 2; ++dp) {
                 uint32_t b[4];
-                ldmatrix_x4_trans(b, smem_addr(sV_stage + (kk * kMmaK + bt_row) * kStride + dp * 16 + bt_col));
+                ldmatrix_tile<Tile, true>(b, sV_stage, kk * kMmaK, dp * 16);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     Mma<Element>::run(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
@@ -253,7 +256,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
     // Alg. 1 lines 12-15: O = O / l, LSE = m * scale + log(l), written out. O is staged through this warp's own rows
     // of sQ (only this warp ever read them, so no block barrier is needed before overwriting them) so
-    // the global stores are 16-byte and row-contiguous.
+    // the global stores are 16-byte and row-contiguous. Where Q is re-read from shared memory every K/V tile
+    // (!kQInRegs) and no barrier ends the loop (3 stages), a lane's O stores may hit rows that other lanes of the
+    // warp addressed in the last ldmatrix of Q: __syncwarp orders them (racecheck flagged the hd64 forward).
+    if constexpr (!Traits::kQInRegs) __syncwarp();
     Element* sO = sQ;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -270,14 +276,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < kNTilesD; ++i) {
             const int col = i * kMmaN + 2 * t;
-            *reinterpret_cast<uint32_t*>(sO + r0 * kStride + col) =
+            *reinterpret_cast<uint32_t*>(sO + Tile::index(r0, col)) =
                 pack2<Element>(acc_o[mt][i][0] * inv_sum[0], acc_o[mt][i][1] * inv_sum[0]);
-            *reinterpret_cast<uint32_t*>(sO + (r0 + 8) * kStride + col) =
+            *reinterpret_cast<uint32_t*>(sO + Tile::index(r0 + 8, col)) =
                 pack2<Element>(acc_o[mt][i][2] * inv_sum[1], acc_o[mt][i][3] * inv_sum[1]);
         }
     }
     __syncthreads();
-    store_tile<kBlockM, kHeadDim, kStride, kNThreads>(o, sO, params.o_row_stride, valid_rows, params.d);
+    store_tile<kBlockM, kHeadDim, Tile, kNThreads>(o, sO, params.o_row_stride, valid_rows, params.d);
 }
 
 }  // namespace flash

@@ -1,14 +1,14 @@
 // Compile-time tile shapes of the FlashAttention-2 kernels, per head dim.
 //
-// Shared-memory tiles are row-major (rows x kHeadDim) with every row padded by kSmemPadElems
-// (16 bytes). ldmatrix reads 8 rows x 16 bytes per phase; with a row pitch of 2*kHeadDim + 16 bytes
-// those 8 rows start in 8 different 16-byte bank groups for every kHeadDim here (pitch mod 128 is
-// 16 or 80, both odd multiples of 16), so ldmatrix and the 16-byte cp.async stores are conflict free
-// without a swizzle.
+// Shared-memory tiles of Q, K, V and dO are row-major (rows x kHeadDim), laid out as SmemTile<kHeadDim>
+// (smem_tile.h): rows XOR-swizzled by 16-byte chunk at head dims 64, 128 and 256, padded by 16 bytes at 32 and
+// 96; either way ldmatrix is free of bank conflicts, and the swizzled tiles' copies fill whole 128-byte lines.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "smem_tile.h"
 
 namespace flash {
 
@@ -17,7 +17,6 @@ constexpr int kMmaM = 16;        // mma.sync.m16n8k16
 constexpr int kMmaN = 8;
 constexpr int kMmaK = 16;
 constexpr int kCopyElems = 8;    // one 16-byte cp.async moves 8 bf16/fp16
-constexpr int kSmemPadElems = 8; // 16 bytes of padding per shared-memory row (see above)
 constexpr int kMaxSmemBytesSm80 = 163 * 1024;  // opt-in dynamic shared memory per block on A100
 constexpr int kMaxHeadDim = 256;
 
@@ -38,14 +37,14 @@ struct FwdKernelTraits {
     static constexpr int kNThreads = kNWarps * kWarpSize;
     static constexpr bool kQInRegs = kQInRegs_;  // keep the warp's Q fragments in registers across K/V tiles
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-    static constexpr int kSmemStride = kHeadDim + kSmemPadElems;  // elements per smem row
+    using Tile = SmemTile<kHeadDim>;  // Q, K and V tiles in shared memory
     // K/V stages: 2 = double buffering (a second barrier per tile guards the stage being refilled);
     // 3 = the tile being refilled was read two iterations ago, so one barrier per tile suffices.
     static constexpr int kNStages = kNStages_;
-    static constexpr int kSmemQElems = kBlockM * kSmemStride;
-    static constexpr int kSmemKVTileElems = kBlockN * kSmemStride;
+    static constexpr int kSmemQElems = kBlockM * Tile::kStride;
+    static constexpr int kSmemKVTileElems = kBlockN * Tile::kStride;
     static constexpr int kSmemBytes =
-        (kSmemQElems + 2 * kNStages * kSmemKVTileElems) * static_cast<int>(sizeof(Element));
+        (kSmemQElems + 2 * kNStages * kSmemKVTileElems) * static_cast<int>(sizeof(Element)) + Tile::kAlignSlack;
     static constexpr bool kSteppedCopy = false;  // copy_tile_async (FwdSteppedTraits: copy_tile_async_stepped)
 
     static_assert(kBlockM == kMmaM * kNWarps * kMTilesPerWarp, "forward: each warp owns whole m16 row tiles of Q");
@@ -74,11 +73,11 @@ struct BwdKernelTraits {
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kBlockN = kMmaM * kNWarps;
     static constexpr int kNThreads = kNWarps * kWarpSize;
-    static constexpr int kSmemStride = kHeadDim + kSmemPadElems;
-    static constexpr int kSmemDsStride = kBlockM + kSmemPadElems;  // dS^T tile is kBlockN x kBlockM
+    using Tile = SmemTile<kHeadDim>;                                // K, V, Q and dO tiles in shared memory
+    static constexpr int kSmemDsStride = kBlockM + kSmemPadElems;  // dS^T tile is kBlockN x kBlockM, padded
     static constexpr int kNStages = 2;                              // Q/LSE/delta double buffering (dO: kDoStages)
-    static constexpr int kSmemKVElems = kBlockN * kSmemStride;
-    static constexpr int kSmemQTileElems = kBlockM * kSmemStride;
+    static constexpr int kSmemKVElems = kBlockN * Tile::kStride;
+    static constexpr int kSmemQTileElems = kBlockM * Tile::kStride;
     static constexpr int kSmemDsElems = kBlockN * kSmemDsStride;
 
     static_assert(kHeadDim % (2 * kMmaN) == 0, "head dim must be a multiple of 16: ldmatrix.x4 covers two n8 tiles");
@@ -133,7 +132,7 @@ struct BwdVariantTraits : Base {
     static constexpr int kSmemBytes =
         (2 * Base::kSmemKVElems + (Base::kNStages + kDoStages) * Base::kSmemQTileElems + Base::kSmemDsElems +
          kSmemPElems) * static_cast<int>(sizeof(Element)) +
-        2 * Base::kNStages * Base::kBlockM * static_cast<int>(sizeof(float));
+        2 * Base::kNStages * Base::kBlockM * static_cast<int>(sizeof(float)) + Base::Tile::kAlignSlack;
 
     static constexpr int kSdpWarpsK = Base::kNWarps / kSdpWarpsQ;
     static constexpr int kDkvWarpsK = Base::kNWarps / kDkvWarpsD;

@@ -14,10 +14,19 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "smem_tile.h"
+
 namespace flash {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// The dynamic shared-memory base rounded up to kAlign bytes (SmemTile::kAlign).
+template <int kAlign>
+__device__ __forceinline__ unsigned char* align_smem(unsigned char* smem_raw) {
+    const uint32_t addr = smem_addr(smem_raw);
+    return smem_raw + ((kAlign - addr % kAlign) % kAlign);
 }
 
 // 16-byte async copy; when pred is false nothing is read and the 16 destination bytes are zeroed
@@ -44,6 +53,36 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
+}
+
+// ldmatrix.x4 (kTrans: .trans) at (addr + add) ^ x, the add and the XOR inside the asm statement: as plain code
+// the compiler keeps the XORed addresses of a loop's ldmatrix walk in registers instead of recomputing them
+// (sm_90a, hd128 backward: 20 B of spill instead of none).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4_xor(uint32_t (&r)[4], uint32_t addr, uint32_t add, uint32_t x) {
+    if constexpr (kTrans) {
+        asm volatile("{\n .reg .b32 a;\n add.u32 a, %4, %5;\n xor.b32 a, a, %6;\n"
+                     " ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [a];\n}\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr), "r"(add), "r"(x));
+    } else {
+        asm volatile("{\n .reg .b32 a;\n add.u32 a, %4, %5;\n xor.b32 a, a, %6;\n"
+                     " ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [a];\n}\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(addr), "r"(add), "r"(x));
+    }
+}
+
+// ldmatrix.x4 (kTrans: .trans) of the 8x8 matrices at Tile::step(at, dr, dc) (smem_tile.h).
+template <typename Tile, bool kTrans = false>
+__device__ __forceinline__ void ldmatrix_tile(uint32_t (&r)[4], uint32_t at, int dr, int dc) {
+    if constexpr (Tile::kSwizzled) {
+        ldmatrix_x4_xor<kTrans>(r, at, Tile::step_add(dr, dc), Tile::step_xor(dc));
+    } else if constexpr (kTrans) {
+        ldmatrix_x4_trans(r, Tile::step(at, dr, dc));
+    } else {
+        ldmatrix_x4(r, Tile::step(at, dr, dc));
+    }
 }
 
 template <typename Element> struct Mma;
@@ -127,12 +166,12 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Copy a (kRows x kHeadDim) tile from global rows [0, valid_rows) and columns [0, d) into padded
-// shared memory with 16-byte cp.async; everything outside is zero-filled.
-template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+// Copy a (kRows x Tile::kCols) tile from global rows [0, valid_rows) and columns [0, d) into shared memory laid
+// out as Tile (smem_tile.h) with 16-byte cp.async; everything outside is zero-filled.
+template <int kRows, typename Tile, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gmem, int64_t row_stride,
                                                 int valid_rows, int d) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunksPerRow = Tile::kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
     for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
@@ -142,7 +181,7 @@ __device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gm
             const int col = (c % kChunksPerRow) * 8;
             const bool pred = row < valid_rows && col < d;
             const Element* src = pred ? gmem + row * row_stride + col : gmem;
-            cp_async_16(smem_addr(smem + row * kSmemStride + col), src, pred);
+            cp_async_16(smem_addr(smem + Tile::index(row, col)), src, pred);
         }
     }
 }
@@ -154,37 +193,39 @@ __device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gm
 // them out and, at 255 registers, spills them (4 warps x 2 m16 tiles at hd128: ~430 B of spill, 48 LDL per
 // K/V tile; the 8-warp backward at hd96 on sm_90: 28-48 B); here only the pointer, its step and the row
 // index stay live.
-template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+template <int kRows, typename Tile, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile_async_stepped(Element* smem, const Element* gmem, int64_t row_stride,
                                                         int valid_rows, int d) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunksPerRow = Tile::kCols / 8;
     constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
     static_assert(kRowsPerStep > 0, "a step must cover at least one row");
     const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
     const int col = (static_cast<int>(threadIdx.x) % kChunksPerRow) * 8;
     if (kNThreads % kChunksPerRow != 0 && row0 >= kRowsPerStep) return;  // a left-over thread
-    const uint32_t dst = smem_addr(smem + row0 * kSmemStride + col);
+    const uint32_t dst = smem_addr(smem + Tile::index(row0, col));
     const Element* src = gmem + row0 * row_stride + col;
 #pragma unroll
     for (int step = 0; step < ceil_div(kRows, kRowsPerStep); ++step) {
         const int row = row0 + step * kRowsPerStep;
         if (kRows % kRowsPerStep == 0 || row < kRows) {
             const bool pred = row < valid_rows && col < d;
-            cp_async_16(dst + step * kRowsPerStep * kSmemStride * static_cast<uint32_t>(sizeof(Element)),
-                        pred ? src : gmem, pred);
+            // A step of a multiple of 8 rows keeps the row's swizzle (SmemTile::step).
+            const uint32_t dst_step = kRowsPerStep % 8 == 0 ? Tile::step(dst, step * kRowsPerStep, 0)
+                                                            : smem_addr(smem + Tile::index(row, col));
+            cp_async_16(dst_step, pred ? src : gmem, pred);
         }
         src += kRowsPerStep * row_stride;
     }
 }
 
 // kStepped picks copy_tile_async_stepped (the forward configs of FwdSteppedTraits) or copy_tile_async.
-template <bool kStepped, int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+template <bool kStepped, int kRows, typename Tile, int kNThreads, typename Element>
 __device__ __forceinline__ void copy_tile(Element* smem, const Element* gmem, int64_t row_stride, int valid_rows,
                                           int d) {
     if constexpr (kStepped) {
-        copy_tile_async_stepped<kRows, kHeadDim, kSmemStride, kNThreads>(smem, gmem, row_stride, valid_rows, d);
+        copy_tile_async_stepped<kRows, Tile, kNThreads>(smem, gmem, row_stride, valid_rows, d);
     } else {
-        copy_tile_async<kRows, kHeadDim, kSmemStride, kNThreads>(smem, gmem, row_stride, valid_rows, d);
+        copy_tile_async<kRows, Tile, kNThreads>(smem, gmem, row_stride, valid_rows, d);
     }
 }
 
@@ -201,12 +242,12 @@ __device__ __forceinline__ void write_rows_without_keys(Element* o, int64_t o_ro
     for (int row = static_cast<int>(threadIdx.x); row < valid_rows; row += kNThreads) lse[row] = INFINITY;
 }
 
-// Write a (kRows x kHeadDim) shared-memory tile to global rows [0, valid_rows), columns [0, d),
-// 16 bytes per thread per step so each row segment is a coalesced run.
-template <int kRows, int kHeadDim, int kSmemStride, int kNThreads, typename Element>
+// Write columns [0, kCols) of a (kRows x Tile::kCols) shared-memory tile laid out as Tile to global rows
+// [0, valid_rows), columns [0, d), 16 bytes per thread per step so each row segment is a coalesced run.
+template <int kRows, int kCols, typename Tile, int kNThreads, typename Element>
 __device__ __forceinline__ void store_tile(Element* gmem, const Element* smem, int64_t row_stride, int valid_rows,
                                            int d) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
     for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
@@ -216,7 +257,7 @@ __device__ __forceinline__ void store_tile(Element* gmem, const Element* smem, i
             const int col = (c % kChunksPerRow) * 8;
             if (row < valid_rows && col < d) {
                 *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
-                    *reinterpret_cast<const uint4*>(smem + row * kSmemStride + col);
+                    *reinterpret_cast<const uint4*>(smem + Tile::index(row, col));
             }
         }
     }

@@ -1,0 +1,74 @@
+// Where element (row, col) of a row-major (rows x kCols) tile of 16-bit elements lives in shared memory: the
+// layout of the mma.sync (sm80) kernels' Q, K, V and dO tiles and of their output staging.
+//
+// ldmatrix, whose 8 lanes per 8x8 matrix read 16 bytes from each of 8 consecutive rows at one column, is free of
+// bank conflicts when those 8 chunks fall in 8 different 16-byte bank groups; the 16-byte cp.async tile copies,
+// whose warp writes 512 bytes of whole rows, cost the fewest shared-memory wavefronts and L2 sectors when the
+// request fills whole 128-byte lines. Two layouts:
+//   swizzled (kCols = 64, 128, 256: rows of 128, 256, 512 bytes): rows unpadded, the 16-byte chunk c of row r
+//     stored at chunk c ^ (r % 8). Both accesses are ideal. Until v19 these head dims used the padded layout:
+//     Nsight Compute counted 1.5 x the ideal L2 sectors and 2.6 x the ideal shared-memory wavefronts on the
+//     backward's copies, and exactly the ideal with this one (docs/kernel_notes.md, "v20").
+//   padded (kCols = 32, 96): rows padded by 16 bytes, a pitch of 80 or 208 bytes (an odd multiple of 16 mod 128,
+//     so ldmatrix is conflict free); the copies' rows straddle 128-byte lines.
+// tests/test_smem_tile.py checks these properties, and step() below, on the host.
+#pragma once
+
+#include <cstdint>
+
+namespace flash {
+
+constexpr int kSmemPadElems = 8;  // 16 bytes of padding per row of the padded layout
+
+// kSwizzle_ forces a layout (the backward's dS^T and P^T tiles, written by 4-byte stores, stay padded).
+template <int kCols_, bool kSwizzle_ = kCols_ == 64 || kCols_ == 128 || kCols_ == 256>
+struct SmemTile {
+    static constexpr int kCols = kCols_;
+    static constexpr bool kSwizzled = kSwizzle_;
+    static_assert(!kSwizzled || kCols == 64 || kCols == 128 || kCols == 256,
+                  "the swizzle assumes rows of a power-of-two number of 16-byte chunks, at least 8");
+    static constexpr int kStride = kSwizzled ? kCols : kCols + kSmemPadElems;  // elements per row
+    static constexpr int kRowBytes = kStride * 2;
+    // step() XORs absolute shared-memory addresses, so every swizzled tile must start kRowBytes-aligned: the
+    // kernels round their dynamic shared-memory base up to kAlign (align_smem, utils.cuh), for which the launch
+    // reserves kAlignSlack bytes, and their tiles hold multiples of 8 rows.
+    static constexpr int kAlign = kSwizzled ? kRowBytes : 16;
+    static constexpr int kAlignSlack = kAlign - 16;  // the base is at least 16-byte aligned
+
+    // Element index of (row, col), col anywhere inside its 16-byte chunk.
+    __host__ __device__ static constexpr int index(int row, int col) {
+        if constexpr (kSwizzled) {
+            return row * kStride + ((((col / 8) ^ (row % 8)) * 8) | (col % 8));
+        } else {
+            return row * kStride + col;
+        }
+    }
+
+    // The address of (row + dr, col + dc) is step(at, dr, dc) = (at + step_add(dr, dc)) ^ step_xor(dc), `at` the
+    // address of (row, col), for the kernels' ldmatrix walks: dr a multiple of 8 (the row's swizzle stays) and dc
+    // a multiple of 8 whose chunk bits (dc / 8) are disjoint from col / 8's, i.e. col / 8 + dc / 8 ==
+    // col / 8 ^ dc / 8 (col a lane's 0 or 8 plus a warp's power-of-two offset, dc a k16 step below that offset).
+    // Then the chunk of col + dc is the one of col XOR dc / 8: in its low 3 bits an XOR (0, 32, 64 or 96 bytes
+    // for k16 steps), above them an addition, which with dr's is a multiple of 128 and leaves those bits alone.
+    // The padded layout adds both. ldmatrix_tile (utils.cuh) computes the same inside its asm.
+    __host__ __device__ static constexpr uint32_t step_add(int dr, int dc) {
+        return kSwizzled ? static_cast<uint32_t>(dr * kRowBytes) + (static_cast<uint32_t>(dc * 2) & ~127u)
+                         : static_cast<uint32_t>((dr * kStride + dc) * 2);
+    }
+    __host__ __device__ static constexpr uint32_t step_xor(int dc) {
+        return kSwizzled ? static_cast<uint32_t>(dc * 2) & 127u : 0u;
+    }
+    __host__ __device__ static constexpr uint32_t step(uint32_t at, int dr, int dc) {
+        return (at + step_add(dr, dc)) ^ step_xor(dc);
+    }
+};
+
+// An opaque copy of x, for the lane addresses that a main loop's ldmatrix walks start from, laundered at the top
+// of each iteration: without it the compiler finds the walks' addresses loop-invariant and keeps more of them in
+// registers across the loop (sm_90a, hd128 backward, non-causal: 16 B of spill without it, none with it).
+__device__ __forceinline__ uint32_t launder(uint32_t x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+}  // namespace flash
