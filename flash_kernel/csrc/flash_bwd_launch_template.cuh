@@ -1,6 +1,8 @@
 // Launch of the three backward kernels for one (dtype, head dim); included by flash_bwd_hdim*.cu.
 #pragma once
 
+#include <type_traits>
+
 #include "flash_bwd_common.cuh"
 #include "flash_bwd_hopper_kernel.cuh"
 #include "flash_bwd_tiled_kernel.cuh"
@@ -51,6 +53,30 @@ cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
     });
 }
 
+// A config's SmallSmemTraits (kernel_traits.h, BwdConfig), or its Traits where it names none.
+template <typename Config, typename = void>
+struct SmallSmemTraitsOf { using type = typename Config::Traits; };
+template <typename Config>
+struct SmallSmemTraitsOf<Config, std::void_t<typename Config::SmallSmemTraits>> {
+    using type = typename Config::SmallSmemTraits;
+};
+
+// The sm80 kernel of BwdConfig: its Traits where this GPU's thread blocks may have their shared memory, else
+// its SmallSmemTraits.
+template <typename Config>
+cudaError_t launch_bwd_sm80_config(const BwdParams& params, cudaStream_t stream) {
+    using Traits = typename Config::Traits;
+    using SmallSmem = typename SmallSmemTraitsOf<Config>::type;
+    static_assert(SmallSmem::kSmemBytes <= kMaxSmemBytesSm80, "every backward config must have one that fits A100");
+    if constexpr (!std::is_same_v<Traits, SmallSmem>) {
+        int device = 0, smem_per_block = 0;
+        FLASH_RETURN_IF_ERROR(cudaGetDevice(&device));
+        FLASH_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+        if (smem_per_block < Traits::kSmemBytes) return launch_bwd_sm80<SmallSmem>(params, stream);
+    }
+    return launch_bwd_sm80<Traits>(params, stream);
+}
+
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     // Alg. 2 line 4, and dq_accum zeroed.
@@ -71,7 +97,7 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
             return cudaSuccess;
         }
     }
-    FLASH_RETURN_IF_ERROR((launch_bwd_sm80<typename BwdConfig<kHeadDim, Element>::Traits>(params, stream)));
+    FLASH_RETURN_IF_ERROR((launch_bwd_sm80_config<BwdConfig<kHeadDim, Element>>(params, stream)));
     bwd_convert_dq_kernel<Element, kHeadDim, false><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;

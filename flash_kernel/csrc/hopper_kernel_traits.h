@@ -11,13 +11,12 @@
 #include <cuda_fp16.h>
 
 #include "hopper_utils.cuh"
-#include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants
+#include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants, kMaxSmemBytesSm90
 
 namespace flash {
 
 constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpgroupRows = 64;               // wgmma's M
-constexpr int kMaxSmemBytesSm90 = 227 * 1024;    // opt-in dynamic shared memory per block on H100/H200
 
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with

@@ -18,6 +18,7 @@ constexpr int kMmaN = 8;
 constexpr int kMmaK = 16;
 constexpr int kCopyElems = 8;    // one 16-byte cp.async moves 8 bf16/fp16
 constexpr int kMaxSmemBytesSm80 = 163 * 1024;  // opt-in dynamic shared memory per block on A100
+constexpr int kMaxSmemBytesSm90 = 227 * 1024;  // opt-in dynamic shared memory per block on H100/H200
 constexpr int kMaxHeadDim = 256;
 
 constexpr int round_head_dim(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
@@ -147,7 +148,8 @@ struct BwdVariantTraits : Base {
                       kDqCols % (2 * kMmaN) == 0,
                   "dQ = dS K: warps must tile queries in m16 tiles and columns in pairs of n8 tiles");
     static_assert(kDoStages == 1 || kDoStages == 2, "dO is single or double buffered");
-    static_assert(kSmemBytes <= kMaxSmemBytesSm80, "backward tiles must fit A100 shared memory");
+    // A config's Traits may need Hopper's shared memory if it names SmallSmemTraits that fit A100's (BwdConfig).
+    static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
 };
 
 // Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
@@ -180,7 +182,10 @@ template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<
 // kDkvWarpsD, kDoStages>; Bc = 16 x warps keys. Warp tiles: FA2's sm80 choice per head dim (the atom
 // layouts of its Flash_bwd_kernel_traits for S/dP, dK/dV and dQ; one exception at 64); dO double-buffered
 // where that fits A100's 163 KB (not at 64 and 128). docs/kernel_notes.md ("v6 backward") has the ptxas
-// numbers and the reasoning.
+// numbers and the reasoning. A config may name SmallSmemTraits: what GPUs whose thread blocks get less shared
+// memory than its Traits need run instead (the launch asks the device; they must fit A100's 163 KB).
+// hd128 double-buffers dO where the GPU allows 165 KB (H100: +3-5%, docs/kernel_notes.md "v21"); at hd64 a second
+// dO stage measured within 1% either way.
 // Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone
 // 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
 template <int kHeadDim, typename Element> struct BwdConfig;
@@ -198,7 +203,10 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 #elif FLASH_BWD_HD128_VARIANT == 2
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, true, 2, 2>; };
 #elif FLASH_BWD_HD128_VARIANT == 3
-template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 1>; };
+template <typename E> struct BwdConfig<128, E> {
+    using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 2>;           // 165 KB
+    using SmallSmemTraits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 1>;  // 149 KB
+};
 #elif FLASH_BWD_HD128_VARIANT == 4
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, false, 1, 2>; };
 #else
