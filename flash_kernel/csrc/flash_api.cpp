@@ -137,6 +137,10 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();  // the caller's device guard is set
+    p.num_sms = props->multiProcessorCount;
+    p.smem_per_sm = static_cast<int>(props->sharedMemPerMultiprocessor);
+    p.smem_per_block_optin = static_cast<int>(props->sharedMemPerBlockOptin);
 }
 
 // Which forward / backward main kernel runs for this head dim on this device (benchmark labels, tests).
@@ -165,7 +169,6 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
     p.use_sm90 = sm90_forward_allowed(q.device().index());
-    p.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
     at::Tensor tile_counter;
     if (causal) {  // K and V bytes of a query head (shared by h / h_k of them under GQA)

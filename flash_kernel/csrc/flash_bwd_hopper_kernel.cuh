@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr uint32_t kKStepRowsBytes = kMmaK * kSwizzleRowBytes;     // 16 rows of an N- or M-major operand
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* smem = swizzle_aligned(smem_raw);
+    // The tiles' swizzle is relative to 1024-aligned addresses; the launch allocates kSwizzleAtomBytes of slack.
+    unsigned char* smem = align_smem<kSwizzleAtomBytes>(smem_raw);
     const uint32_t sK = smem_addr(smem);                            // [swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + Traits::kSmemKVBytes;                  // [swizzled kBlockN x kHeadDim]
     const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]

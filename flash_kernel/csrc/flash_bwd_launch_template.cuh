@@ -11,8 +11,6 @@
 
 namespace flash {
 
-constexpr int kBwdDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
-
 // Alg. 2 lines 6-20 on sm_90a (flash_bwd_hopper_kernel.cuh): one thread block per (K/V block, head, batch).
 // Q, dO, K and V are read through tensor maps (TMA).
 template <typename Traits>
@@ -24,13 +22,9 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM>(&maps.dO, p.do_ptr, p.d, p.seqlen_q, p.h, p.b, p.do_row_stride,
                                                       p.do_head_stride, p.do_batch_stride)));
     return FLASH_BOOL_SWITCH(p.is_causal, kIsCausal, [&]() -> cudaError_t {
-        auto kernel = &flash_bwd_hopper_kernel<Traits, kIsCausal>;
-        constexpr int kSmem = Traits::kSmemBytes;
-        FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
         const dim3 grid(ceil_div(p.seqlen_k, kN), p.h, p.b);
-        kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(p, maps);
-        FLASH_LAUNCH_CHECK();
-        return cudaSuccess;
+        return launch_kernel(&flash_bwd_hopper_kernel<Traits, kIsCausal>, grid, Traits::kNThreads, Traits::kSmemBytes,
+                             stream, p, maps);
     });
 }
 
@@ -39,17 +33,11 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
 template <typename Traits>
 cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        auto kernel = &flash_bwd_tiled_kernel<Traits, kIsCausal>;
-        constexpr int kSmem = Traits::kSmemBytes;
-        if (kSmem > kBwdDefaultSmemBytes) {
-            FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-        }
         const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
         const int grid_x = params.deterministic ? params.num_splits : num_n_blocks;
         const dim3 grid(grid_x, params.h * Traits::kColSplits, params.b);
-        kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
-        FLASH_LAUNCH_CHECK();
-        return cudaSuccess;
+        return launch_kernel(&flash_bwd_tiled_kernel<Traits, kIsCausal>, grid, Traits::kNThreads, Traits::kSmemBytes,
+                             stream, params);
     });
 }
 
@@ -69,10 +57,7 @@ cudaError_t launch_bwd_sm80_config(const BwdParams& params, cudaStream_t stream)
     using SmallSmem = typename SmallSmemTraitsOf<Config>::type;
     static_assert(SmallSmem::kSmemBytes <= kMaxSmemBytesSm80, "every backward config must have one that fits A100");
     if constexpr (!std::is_same_v<Traits, SmallSmem>) {
-        int device = 0, smem_per_block = 0;
-        FLASH_RETURN_IF_ERROR(cudaGetDevice(&device));
-        FLASH_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-        if (smem_per_block < Traits::kSmemBytes) return launch_bwd_sm80<SmallSmem>(params, stream);
+        if (params.smem_per_block_optin < Traits::kSmemBytes) return launch_bwd_sm80<SmallSmem>(params, stream);
     }
     return launch_bwd_sm80<Traits>(params, stream);
 }

@@ -64,9 +64,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     constexpr int kNThreads = Traits::kNThreads;
     constexpr int kNWarps = Traits::kNWarps;
     using Tile = typename Traits::Tile;  // shared-memory layout of K, V, Q, dO (smem_tile.h)
-    using DsTile = SmemTile<kBlockM, false>;  // dS^T and P^T: padded rows of kBlockM queries
+    using DsTile = typename Traits::DsTile;  // dS^T and P^T: padded rows of kBlockM queries
     constexpr int kDsStride = Traits::kSmemDsStride;
-    static_assert(DsTile::kStride == kDsStride, "dS^T tile stride");
     constexpr int kOutCols = Traits::kOutCols;
     constexpr int kNTilesD = kOutCols / kMmaN;  // n8 tiles of dK / dV per warp (from registers)
     constexpr int kKStepsD = kHeadDim / kMmaK;

@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kPolyExpEvery = Traits::kPolyExpEvery;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* smem = swizzle_aligned(smem_raw);
+    // The tiles' swizzle is relative to 1024-aligned addresses; the launch allocates kSwizzleAtomBytes of slack.
+    unsigned char* smem = align_smem<kSwizzleAtomBytes>(smem_raw);
     const uint32_t sQ = smem_addr(smem);                              // swizzled kBlockM x kHeadDim
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
@@ -318,9 +319,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // O = O / l, LSE = m * scale + log(l), straight from the accumulators: sQ already holds the next tile's Q,
         // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's
         // store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
-        Element* o = static_cast<Element*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
-                     row0 * params.o_row_stride;
-        float* lse = params.lse_ptr + (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q + row0;
+        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0);
+        Element* o = out.o;
+        float* lse = out.lse;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = my_row + 8 * r;
@@ -349,11 +350,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     for (int e = static_cast<int>(blockIdx.x); e < tiles.num_empty; e += static_cast<int>(gridDim.x)) {
         const BlockCoord c = fwd_empty_tile_coord(tiles, params, e);
         const int row0 = c.block * kBlockM;
-        Element* o = static_cast<Element*>(params.o_ptr) + c.batch * params.o_batch_stride + c.head * params.o_head_stride +
-                     row0 * params.o_row_stride;
-        float* lse = params.lse_ptr + (static_cast<int64_t>(c.batch) * params.h + c.head) * seqlen_q + row0;
-        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(o, params.o_row_stride, lse, min(kBlockM, seqlen_q - row0),
-                                                             params.d);
+        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, c.batch, c.head, row0);
+        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(out.o, params.o_row_stride, out.lse,
+                                                             min(kBlockM, seqlen_q - row0), params.d);
     }
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_kernel_traits.h)

@@ -11,22 +11,14 @@
 
 namespace flash {
 
-constexpr int kDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
-
 constexpr int kReservedSmemPerBlock = 1024;   // shared memory the driver keeps per thread block (sm80+)
 
 // One sm80 forward kernel of the given Traits.
 template <typename Traits>
 cudaError_t launch_fwd(void (*kernel)(FwdParams), const FwdParams& params, cudaStream_t stream) {
-    constexpr int kSmem = Traits::kSmemBytes;
-    if (kSmem > kDefaultSmemBytes) {
-        FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    }
     // Alg. 1 line 3: one thread block per (query block, head, batch).
     const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.h, params.b);
-    kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
-    FLASH_LAUNCH_CHECK();
-    return cudaSuccess;
+    return launch_kernel(kernel, grid, Traits::kNThreads, Traits::kSmemBytes, stream, params);
 }
 
 // The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN. It is
@@ -36,13 +28,9 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     if (kIsCausal && p.tile_counter == nullptr) return cudaErrorInvalidValue;  // the caller owns the zeroed counter
     QkvTensorMaps maps;
     FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
-    auto kernel = &flash_fwd_hopper_kernel<Traits, kIsCausal>;
-    constexpr int kSmem = Traits::kSmemBytes;
-    FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     const int num_tiles = fwd_tiles<Traits::kBlockM>(p).num_tiles;
-    kernel<<<std::min(p.num_sms, num_tiles), Traits::kNThreads, kSmem, stream>>>(p, maps);
-    FLASH_LAUNCH_CHECK();
-    return cudaSuccess;
+    return launch_kernel(&flash_fwd_hopper_kernel<Traits, kIsCausal>, dim3(std::min(p.num_sms, num_tiles)),
+                         Traits::kNThreads, Traits::kSmemBytes, stream, p, maps);
 }
 
 // A config may name OneBlockTraits: what to run where the SM's shared memory cannot hold the
@@ -72,10 +60,7 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     using OneBlock = typename OneBlockTraitsOf<Config>::type;
     bool resident = true;  // do Traits::kMinBlocksPerSm blocks fit one SM of this GPU?
     if constexpr (!std::is_same_v<Traits, OneBlock>) {
-        int device = 0, smem_per_sm = 0;
-        FLASH_RETURN_IF_ERROR(cudaGetDevice(&device));
-        FLASH_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-        resident = smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
+        resident = params.smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
     }
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
         return resident ? launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream)

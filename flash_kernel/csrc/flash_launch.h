@@ -22,6 +22,23 @@
 
 namespace flash {
 
+#ifdef __CUDACC__
+constexpr int kDefaultSmemBytes = 48 * 1024;  // dynamic shared memory above this needs an opt-in
+
+// kernel<<<grid, threads, smem, stream>>>(args...), opting the kernel in to `smem` bytes of dynamic shared memory
+// where that is above the default, and checked.
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                          const Args&... args) {
+    if (smem > kDefaultSmemBytes) {
+        FLASH_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
+    kernel<<<grid, threads, smem, stream>>>(args...);
+    FLASH_LAUNCH_CHECK();
+    return cudaSuccess;
+}
+#endif
+
 // One explicit instantiation per (dtype, head dim), each in its own .cu file so ninja builds them in
 // parallel; the causal flag is switched inside (two kernels per file).
 template <typename Element, int kHeadDim> cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream);

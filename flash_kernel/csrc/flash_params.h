@@ -37,7 +37,11 @@ struct FwdParams {
 
     bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
     int causal_group_heads;  // causal forward only: (batch, head) pairs per group of its block order (causal_order.h)
-    int num_sms;       // the device's SMs: the Hopper forward's persistent grid (fwd_tile_scheduler.h)
+    // The device's limits, from its cached properties (flash_api.cpp): the Hopper forward's persistent grid
+    // (fwd_tile_scheduler.h) and the sm80 configs' fallbacks where a GPU's shared memory is smaller (the launches).
+    int num_sms;
+    int smem_per_sm;          // shared memory per SM, bytes
+    int smem_per_block_optin;  // dynamic shared memory a block may opt in to, bytes
     int* tile_counter;  // Hopper causal forward: a zeroed int its blocks take their next tile from; else unused
     bool is_bf16;    // else fp16
     bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp:
@@ -70,5 +74,19 @@ struct BwdParams : public FwdParams {
     int num_splits;
     bool deterministic;
 };
+
+#ifdef __CUDACC__
+// Where a forward tile writes: O from row row0 of (batch, head), and those rows' LSE ((B, Hq, Tq), fp32).
+template <typename Element>
+struct FwdOutRows {
+    Element* o;
+    float* lse;
+};
+template <typename Element>
+__device__ __forceinline__ FwdOutRows<Element> fwd_out_rows(const FwdParams& p, int batch, int head, int row0) {
+    return {static_cast<Element*>(p.o_ptr) + batch * p.o_batch_stride + head * p.o_head_stride + row0 * p.o_row_stride,
+            p.lse_ptr + (static_cast<int64_t>(batch) * p.h + head) * p.seqlen_q + row0};
+}
+#endif
 
 }  // namespace flash

@@ -96,13 +96,6 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// The dynamic shared-memory base rounded up to a swizzle atom (1024 bytes): the tiles' swizzle is relative to
-// 1024-aligned addresses. The launches allocate kSwizzleAtomBytes of slack for it.
-__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_raw) {
-    const uint32_t pad = (kSwizzleAtomBytes - smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
-    return smem_raw + pad;
-}
-
 // Byte offset of the 16-byte chunk c (column c * 8) of row `row` in a swizzled tile of kRows rows.
 template <int kRows>
 __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {

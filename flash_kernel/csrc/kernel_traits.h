@@ -75,7 +75,8 @@ struct BwdKernelTraits {
     static constexpr int kBlockN = kMmaM * kNWarps;
     static constexpr int kNThreads = kNWarps * kWarpSize;
     using Tile = SmemTile<kHeadDim>;                                // K, V, Q and dO tiles in shared memory
-    static constexpr int kSmemDsStride = kBlockM + kSmemPadElems;  // dS^T tile is kBlockN x kBlockM, padded
+    using DsTile = SmemTile<kBlockM, false>;                        // dS^T and P^T: kBlockN x kBlockM, padded rows
+    static constexpr int kSmemDsStride = DsTile::kStride;
     static constexpr int kNStages = 2;                              // Q/LSE/delta double buffering (dO: kDoStages)
     static constexpr int kSmemKVElems = kBlockN * Tile::kStride;
     static constexpr int kSmemQTileElems = kBlockM * Tile::kStride;
@@ -183,7 +184,8 @@ template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<
 // layouts of its Flash_bwd_kernel_traits for S/dP, dK/dV and dQ; one exception at 64); dO double-buffered
 // where that fits A100's 163 KB (not at 64 and 128). docs/kernel_notes.md ("v6 backward") has the ptxas
 // numbers and the reasoning. A config may name SmallSmemTraits: what GPUs whose thread blocks get less shared
-// memory than its Traits need run instead (the launch asks the device; they must fit A100's 163 KB).
+// memory than its Traits need run instead (the launch compares the device's opt-in limit, in the params; they
+// must fit A100's 163 KB).
 // hd128 double-buffers dO where the GPU allows 165 KB (H100: +3-5%, docs/kernel_notes.md "v21"); at hd64 a second
 // dO stage measured within 1% either way.
 // Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone

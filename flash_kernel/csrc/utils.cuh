@@ -22,7 +22,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-// The dynamic shared-memory base rounded up to kAlign bytes (SmemTile::kAlign).
+// The dynamic shared-memory base rounded up to kAlign bytes (SmemTile::kAlign; the Hopper kernels' swizzle atom).
 template <int kAlign>
 __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem_raw) {
     const uint32_t addr = smem_addr(smem_raw);
