@@ -69,9 +69,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int bidh_k = bidh / params.h_h_k_ratio;  // GQA/MQA: the kv head of this query head
     const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_k * params.k_head_stride;
     const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
-    const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0);
-    Element* o = out.o;
-    float* lse = out.lse;
+    Element* o = static_cast<Element*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
+                 row0 * params.o_row_stride;
+    float* lse = params.lse_ptr + (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q + row0;
 
     int n_block_max = ceil_div(seqlen_k, kBlockN);
     if (kIsCausal) {
