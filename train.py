@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from model.attention import ATTENTION
@@ -200,8 +200,20 @@ def finish_logger(logger, trainer: L.Trainer, ok: bool) -> None:
     which matters to callers that train several times in one process (tests, bench/e2e.py)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
-        logger.experiment.finish(exit_code=0 if ok else 1)
+    if not (isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None):
+        return
+    import wandb
+
+    logger.experiment.finish(exit_code=0 if ok else 1)
+    # finish() only tells the W&B service that the run is over; the service flushes and closes the run's
+    # .wandb log after that, on its own time (a loaded CI machine once read a header-only file right after
+    # train() returned). teardown() waits for the service to exit, so the files are whole on return. It
+    # would end the caller's other runs too, so it runs only when this was the process's last open run.
+    if wandb.run is None:
+        try:
+            wandb.teardown()
+        except SystemExit as err:  # wandb exits when its service failed; the training itself is done
+            rank_zero_warn(f"W&B service exited with {err.code} while closing the run; see its debug-internal.log")
 
 
 def build_callbacks(cfg: DictConfig, has_logger: bool) -> list[L.Callback]:

@@ -64,6 +64,27 @@ def test_wandb_offline_run_carries_perf_metrics(data_cache, tmp_path, monkeypatc
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_wandb_service_failure_on_close_warns_instead_of_exiting(tmp_path, monkeypatch):
+    """wandb.teardown() raises SystemExit when its service died; after a finished training that must not
+    end the caller's process (or mask the training's own error in train()'s finally)."""
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True)
+    logger.experiment.log({"train/loss": 1.0})
+    real_teardown = wandb.teardown
+
+    def failing_teardown(exit_code=None):
+        real_teardown(exit_code)  # still shut the real service down, so no other test inherits it
+        raise SystemExit(3)
+
+    monkeypatch.setattr(wandb, "teardown", failing_teardown)
+    with pytest.warns(UserWarning, match="W&B service exited with 3"):
+        train_mod.finish_logger(logger, type("Trainer", (), {"is_global_zero": True})(), ok=True)
+
+
 def test_csv_logger_and_loss_falls(data_cache, tmp_path):
     train_mod.train(_cfg(data_cache, tmp_path, "logger=csv", "trainer.max_steps=30", "trainer.log_every_n_steps=5",
                          "trainer.val_check_interval=15"))
