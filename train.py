@@ -205,9 +205,9 @@ def finish_logger(logger, trainer: L.Trainer, ok: bool) -> None:
     import wandb
 
     logger.experiment.finish(exit_code=0 if ok else 1)
-    # finish() only tells the W&B service that the run is over; the service flushes and closes the run's
-    # .wandb log after that, on its own time (a loaded CI machine once read a header-only file right after
-    # train() returned). teardown() waits for the service to exit, so the files are whole on return. It
+    # finish() ends by informing the W&B service, without waiting (ServiceConnection.inform_finish), and the
+    # service closes the run's .wandb log after that, on its own time: CI once read a header-only file right
+    # after train() returned. teardown() waits for the service to exit, so the files are whole on return. It
     # would end the caller's other runs too, so it runs only when this was the process's last open run.
     if wandb.run is None:
         try:
