@@ -54,18 +54,36 @@ def _try_import_C() -> ModuleType | None:
     return _C
 
 
-def unavailable_reason() -> str | None:
-    """Why flash_attn_func cannot run here, or None if it can."""
+def unavailable_reason(
+    head_dim: int | None = None, device: torch.device | str | int | None = None, deterministic: bool = False
+) -> str | None:
+    """Why flash_attn_func cannot run here, or None if it can.
+
+    With a head_dim, also whether its forward and backward kernels can train at that head dim on `device`
+    (default: the current CUDA device): a head dim outside the contract, or a GPU that gives a thread block less
+    shared memory than the kernels ask for (sm_86 / sm_89 GPUs: 99 KiB), is a reason too.
+    """
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False); flash_kernel runs on NVIDIA GPUs only"
-    if _try_import_C() is None:
+    C = _try_import_C()
+    if C is None:
         return f"the CUDA extension flash_kernel._C is not importable ({_C_import_error}); {_BUILD_HINT}"
-    return None
+    if head_dim is None:
+        return None
+    if head_dim % HEAD_DIM_MULTIPLE or not 0 < head_dim <= MAX_HEAD_DIM:
+        return f"head dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} in [8, {MAX_HEAD_DIM}]"
+    index = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    if index.type != "cuda":
+        return f"device {index} is not a CUDA device; flash_kernel runs on NVIDIA GPUs only"
+    index = index.index if index.index is not None else torch.cuda.current_device()
+    return C.unsupported_reason(head_dim, index, deterministic) or None
 
 
-def is_available() -> bool:
-    """True when a CUDA device is present and flash_kernel._C imports."""
-    return unavailable_reason() is None
+def is_available(head_dim: int | None = None, device: torch.device | str | int | None = None,
+                 deterministic: bool = False) -> bool:
+    """True when a CUDA device is present and flash_kernel._C imports (and, given a head_dim, its kernels fit
+    `device`; see unavailable_reason)."""
+    return unavailable_reason(head_dim, device, deterministic) is None
 
 
 def _load_C() -> ModuleType:

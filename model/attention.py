@@ -139,6 +139,18 @@ FLASH_MAX_HEAD_DIM = 256
 FLASH_HEAD_DIM_MULTIPLE = 8
 
 
+def check_attention_runs_on(name: str, head_dim: int, device: torch.device) -> None:
+    """Fail before the first step where `name` cannot run at head_dim on this device: flash needs its built
+    extension, and a GPU whose thread blocks get the shared memory its kernels ask for (not sm_86 / sm_89)."""
+    if name != "flash" or device.type != "cuda":
+        return
+    import flash_kernel
+
+    reason = flash_kernel.unavailable_reason(head_dim, device)
+    if reason is not None:
+        raise RuntimeError(f"attention=flash cannot run at head dim {head_dim} on {device}: {reason}")
+
+
 def check_attention_supported(name: str, head_dim: int) -> None:
     """Fail at model construction, not at the first step, for a head dim an implementation lacks."""
     get_attention(name)

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
 
+from model.attention import check_attention_runs_on
 from model.flops import flops_per_token
 from model.gpt import GPT, GPTConfig
 from model.loss import next_token_loss
@@ -78,6 +79,10 @@ class LitGPT(L.LightningModule):
         else:
             self.model.compile()
         self._compiled = True
+
+    def on_fit_start(self) -> None:
+        # Before the sanity check and the first step (and their compiles): a kernel that cannot run on this GPU.
+        check_attention_runs_on(self.cfg.attention, self.cfg.head_dim, self.device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

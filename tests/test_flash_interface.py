@@ -57,6 +57,47 @@ def test_reason_names_the_build_step_when_extension_missing(monkeypatch):
         interface._load_C()
 
 
+def _gpu_with_kernel(monkeypatch, unsupported):
+    """Pretend a CUDA device and a built _C whose unsupported_reason(head_dim, device_index, deterministic) is
+    `unsupported`; returns the calls it saw."""
+    calls = []
+
+    def unsupported_reason(head_dim, device_index, deterministic):
+        calls.append((head_dim, device_index, deterministic))
+        return unsupported(head_dim)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(interface, "_C", types.SimpleNamespace(unsupported_reason=unsupported_reason))
+    return calls
+
+
+def test_reason_for_a_head_dim_asks_the_kernel_about_this_device(monkeypatch):
+    # What the binding answers on a GPU whose thread blocks get less shared memory than the kernels ask for.
+    too_small = "flash_kernel: the backward kernel at head dim 128 needs 149.2 KiB of shared memory per thread block"
+    calls = _gpu_with_kernel(monkeypatch, lambda d: too_small if d == 128 else "")
+    assert flash_kernel.unavailable_reason() is None and calls == []  # no head dim: the extension only
+    assert flash_kernel.unavailable_reason(128) == too_small and not flash_kernel.is_available(128)
+    assert flash_kernel.unavailable_reason(64, "cuda:1", deterministic=True) is None
+    assert flash_kernel.is_available(64, "cuda:1", deterministic=True)
+    assert flash_kernel.unavailable_reason(64, torch.device("cuda")) is None
+    assert flash_kernel.unavailable_reason(64, 2) is None
+    assert calls == [(128, 3, False), (128, 3, False), (64, 1, True), (64, 1, True), (64, 3, False), (64, 2, False)]
+    assert "multiple of 8" in flash_kernel.unavailable_reason(20) and "multiple of 8" in flash_kernel.unavailable_reason(264)
+    assert "not a CUDA device" in flash_kernel.unavailable_reason(64, "cpu")
+    assert len(calls) == 6  # neither bad head dims nor CPU devices reach the binding
+
+
+def test_trainer_refuses_flash_on_a_gpu_its_kernels_do_not_fit(monkeypatch):
+    from model.attention import check_attention_runs_on
+
+    _gpu_with_kernel(monkeypatch, lambda d: f"head dim {d} needs 149.2 KiB; use attention=sdpa")
+    with pytest.raises(RuntimeError, match=r"attention=flash cannot run at head dim 128 on cuda:0: .*attention=sdpa"):
+        check_attention_runs_on("flash", 128, torch.device("cuda", 0))
+    check_attention_runs_on("sdpa", 128, torch.device("cuda", 0))  # other attentions: nothing to check
+    check_attention_runs_on("flash", 128, torch.device("cpu"))  # flash on CPU fails at its first call, saying so
+
+
 def _raise_import_error(name):
     raise ModuleNotFoundError(f"No module named '{name}'")
 

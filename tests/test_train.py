@@ -85,6 +85,24 @@ def test_wandb_service_failure_on_close_warns_instead_of_exiting(tmp_path, monke
         train_mod.finish_logger(logger, type("Trainer", (), {"is_global_zero": True})(), ok=True)
 
 
+def test_attention_is_checked_against_the_device_before_the_first_step(data_cache, tmp_path, monkeypatch):
+    """LitGPT.on_fit_start asks whether the attention can run on the training device (flash on a GPU whose thread
+    blocks lack the shared memory is refused there); what it raises ends the run before any step."""
+    import model.lit_gpt as lit_gpt_mod
+
+    seen = []
+
+    def refuse(name, head_dim, device):
+        seen.append((name, head_dim, device.type))
+        raise RuntimeError("attention=sdpa cannot run here (test)")
+
+    monkeypatch.setattr(lit_gpt_mod, "check_attention_runs_on", refuse)
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        train_mod.train(_cfg(data_cache, tmp_path, "logger=none", "attention=sdpa"))
+    assert seen == [("sdpa", 32, "cpu")]  # cpu_tiny: d_model 128 over 4 heads
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
 def test_csv_logger_and_loss_falls(data_cache, tmp_path):
     train_mod.train(_cfg(data_cache, tmp_path, "logger=csv", "trainer.max_steps=30", "trainer.log_every_n_steps=5",
                          "trainer.val_check_interval=15"))

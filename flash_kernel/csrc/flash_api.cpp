@@ -3,12 +3,14 @@
 // fwd(q, k, v, o, lse, softmax_scale, causal)
 // bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic)
 // Both write into caller-allocated outputs (which may be poisoned; every element is written), validate
-// every input with an error that names the tensor, and launch on the current CUDA stream.
+// every input with an error that names the tensor, refuse a GPU whose thread blocks get less shared memory
+// than the kernel asks for (saying what to use instead), and launch on the current CUDA stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -114,6 +116,43 @@ int causal_order_group_heads(int64_t kv_bytes_per_head, int64_t all_heads) {
     return static_cast<int>(std::min<long long>(n, std::max<int64_t>(1, all_heads)));
 }
 
+// The shared memory one thread block, and one SM, of this GPU may have: the device's, or less where
+// FLASH_KERNEL_MAX_SMEM_PER_BLOCK=N (bytes) is set. The sm80 kernels then choose their variant and are checked as on a
+// GPU whose blocks get N (A100: 166912; sm_86 / sm_89: 101376), so an H100 runs and tests what those GPUs run; with
+// FLASH_KERNEL_FWD=sm80 and FLASH_KERNEL_BWD=sm80, as the Hopper kernels ignore it. Every sm80+ GPU's SM holds
+// 1 KB more than a block may have.
+void set_smem_limits(flash::FwdParams& p, const cudaDeviceProp* props) {
+    int per_block = static_cast<int>(props->sharedMemPerBlockOptin);
+    if (const char* env = std::getenv("FLASH_KERNEL_MAX_SMEM_PER_BLOCK"); env != nullptr && *env != '\0') {
+        char* end = nullptr;
+        const long long n = std::strtoll(env, &end, 10);
+        TORCH_CHECK(*end == '\0' && n >= 1, "flash_kernel: FLASH_KERNEL_MAX_SMEM_PER_BLOCK=", env,
+                    " is not a positive number of bytes");
+        per_block = static_cast<int>(std::min<long long>(n, per_block));
+    }
+    p.smem_per_block_optin = per_block;
+    p.smem_per_sm = std::min(static_cast<int>(props->sharedMemPerMultiprocessor), per_block + 1024);
+}
+
+// Empty where the sm80 kernel of this pass (the one that runs for p.d_rounded on a GPU with p's limits) fits one
+// thread block; else why not, and what to use instead. sm_86 / sm_89 GPUs give a block 99 KiB, less than most of
+// these kernels ask for.
+std::string sm80_smem_shortfall(const flash::FwdParams& p, bool backward, int device_index) {
+    const int need = backward ? flash::sm80_bwd_smem_bytes(p) : flash::sm80_fwd_smem_bytes(p);
+    if (need <= p.smem_per_block_optin) return "";
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(device_index);
+    const auto kib = [](int bytes) { return std::to_string(bytes / 1024) + "." + std::to_string(bytes % 1024 * 10 / 1024); };
+    std::string msg = std::string("flash_kernel: the ") + (backward ? "backward" : "forward") + " kernel at head dim " +
+                      std::to_string(p.d_rounded) + " needs " + kib(need) + " KiB of shared memory per thread block, but " +
+                      props->name + " (sm_" + std::to_string(props->major) + std::to_string(props->minor) +
+                      ") gives a block at most " + kib(p.smem_per_block_optin) + " KiB";
+    if (p.smem_per_block_optin < static_cast<int>(props->sharedMemPerBlockOptin)) {
+        msg += " under FLASH_KERNEL_MAX_SMEM_PER_BLOCK";
+    }
+    return msg + ". Its tiles are sized for A100- and H100-class GPUs (163 KiB and more); on this GPU use PyTorch's "
+                 "scaled_dot_product_attention (attention=sdpa in train.py).";
+}
+
 void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
     p.q_ptr = q.data_ptr();
@@ -139,21 +178,59 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();  // the caller's device guard is set
     p.num_sms = props->multiProcessorCount;
-    p.smem_per_sm = static_cast<int>(props->sharedMemPerMultiprocessor);
-    p.smem_per_block_optin = static_cast<int>(props->sharedMemPerBlockOptin);
+    set_smem_limits(p, props);
+}
+
+// Whether the sm_90a forward / main backward kernel runs for this head dim on this device (else the sm80 one).
+bool fwd_runs_hopper(int d_rounded, int device_index) {
+    return sm90_forward_allowed(device_index) && flash::hopper_fwd_built(d_rounded);
+}
+bool bwd_runs_hopper(int d_rounded, int device_index, bool deterministic) {
+    return sm90_backward_allowed(device_index) && flash::hopper_bwd_built(d_rounded) &&
+           !deterministic;  // the ordered dq_accum splits are the sm80 kernel's
 }
 
 // Which forward / backward main kernel runs for this head dim on this device (benchmark labels, tests).
 std::string fwd_kernel_name(int64_t head_dim, int64_t device_index) {
     const int d_rounded = flash::round_head_dim(static_cast<int>(head_dim));
-    const bool sm90 = sm90_forward_allowed(static_cast<int>(device_index)) && flash::hopper_fwd_built(d_rounded);
-    return sm90 ? "sm90a-wgmma" : "sm80-mma";
+    return fwd_runs_hopper(d_rounded, static_cast<int>(device_index)) ? "sm90a-wgmma" : "sm80-mma";
 }
 std::string bwd_kernel_name(int64_t head_dim, int64_t device_index, bool deterministic) {
     const int d_rounded = flash::round_head_dim(static_cast<int>(head_dim));
-    const bool sm90 = sm90_backward_allowed(static_cast<int>(device_index)) && flash::hopper_bwd_built(d_rounded) &&
-                      !deterministic;  // the ordered dq_accum splits are the sm80 kernel's
-    return sm90 ? "sm90a-wgmma" : "sm80-mma";
+    return bwd_runs_hopper(d_rounded, static_cast<int>(device_index), deterministic) ? "sm90a-wgmma" : "sm80-mma";
+}
+
+// The params the sm80 kernels' choice reads (head dim, shared-memory limits) for this head dim on this device.
+flash::FwdParams limit_params(int64_t head_dim, int device) {
+    flash::FwdParams p{};
+    p.d_rounded = flash::round_head_dim(static_cast<int>(head_dim));
+    set_smem_limits(p, at::cuda::getDeviceProperties(device));
+    return p;
+}
+
+// Dynamic shared memory per thread block of the sm80 forward / main backward kernel this device runs for this head
+// dim (tests: which variant the limits choose).
+int64_t sm80_smem_bytes(int64_t head_dim, int64_t device_index, bool backward) {
+    const flash::FwdParams p = limit_params(head_dim, static_cast<int>(device_index));
+    return backward ? flash::sm80_bwd_smem_bytes(p) : flash::sm80_fwd_smem_bytes(p);
+}
+
+// Refuse, before anything is allocated or launched, the sm80 kernel of this pass where it does not fit this device.
+void check_sm80_fits(int64_t head_dim, int device, bool backward) {
+    const std::string shortfall = sm80_smem_shortfall(limit_params(head_dim, device), backward, device);
+    TORCH_CHECK(shortfall.empty(), shortfall);
+}
+
+// Empty where the forward and backward kernels for this head dim fit this device's thread blocks, else why not
+// (sm80_smem_shortfall): lets a trainer refuse before its first step.
+std::string unsupported_reason(int64_t head_dim, int64_t device_index, bool deterministic) {
+    const int device = static_cast<int>(device_index);
+    const flash::FwdParams p = limit_params(head_dim, device);
+    if (!fwd_runs_hopper(p.d_rounded, device)) {
+        if (std::string why = sm80_smem_shortfall(p, false, device); !why.empty()) return why;
+    }
+    if (!bwd_runs_hopper(p.d_rounded, device, deterministic)) return sm80_smem_shortfall(p, true, device);
+    return "";
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
@@ -165,15 +242,19 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     TORCH_CHECK(std::isfinite(softmax_scale), "flash_kernel: softmax_scale must be finite, got ", softmax_scale);
     if (s.b == 0 || s.h == 0) return;
 
+    const int device = q.device().index();
+    const bool hopper = fwd_runs_hopper(flash::round_head_dim(static_cast<int>(s.d)), device);
+    if (!hopper) check_sm80_fits(s.d, device, /*backward=*/false);
+
     const c10::cuda::CUDAGuard device_guard(q.device());
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
-    p.use_sm90 = sm90_forward_allowed(q.device().index());
+    p.use_sm90 = sm90_forward_allowed(device);
     // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
     at::Tensor tile_counter;
     if (causal) {  // K and V bytes of a query head (shared by h / h_k of them under GQA)
         p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
-        if (p.use_sm90 && flash::hopper_fwd_built(p.d_rounded)) {  // its blocks take tiles from a counter
+        if (hopper) {  // its blocks take tiles from a counter
             tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
             p.tile_counter = tile_counter.data_ptr<int>();
         }
@@ -206,6 +287,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     TORCH_CHECK(d_rounded <= 128 || s.h <= 65535 / 2, "flash_kernel: backward with head dim > 128 supports at most ",
                 65535 / 2, " query heads, got ", s.h);
     if (s.b == 0 || s.h == 0) return;
+    const int device = q.device().index();
+    if (!bwd_runs_hopper(d_rounded, device, deterministic)) check_sm80_fits(s.d, device, /*backward=*/true);
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     const auto f32 = q.options().dtype(at::kFloat);
@@ -228,7 +311,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
     flash::BwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
-    p.use_sm90 = sm90_backward_allowed(q.device().index());
+    p.use_sm90 = sm90_backward_allowed(device);
     p.do_ptr = dout.data_ptr();
     p.dq_ptr = dq.data_ptr();
     p.dk_ptr = dk_expanded.data_ptr();
@@ -271,5 +354,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("head_dim"), py::arg("device_index"));
     m.def("bwd_kernel_name", &bwd_kernel_name,
           "the backward main kernel that runs for this head dim on this CUDA device: sm90a-wgmma or sm80-mma",
+          py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));
+    m.def("sm80_smem_bytes", &sm80_smem_bytes,
+          "dynamic shared memory per thread block of the sm80 forward (or main backward) kernel for this head dim "
+          "on this CUDA device, under FLASH_KERNEL_MAX_SMEM_PER_BLOCK where set",
+          py::arg("head_dim"), py::arg("device_index"), py::arg("backward"));
+    m.def("unsupported_reason", &unsupported_reason,
+          "empty where the forward and backward kernels for this head dim fit this CUDA device, else why not",
           py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));
 }

@@ -41,14 +41,6 @@ cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
     });
 }
 
-// A config's SmallSmemTraits (kernel_traits.h, BwdConfig), or its Traits where it names none.
-template <typename Config, typename = void>
-struct SmallSmemTraitsOf { using type = typename Config::Traits; };
-template <typename Config>
-struct SmallSmemTraitsOf<Config, std::void_t<typename Config::SmallSmemTraits>> {
-    using type = typename Config::SmallSmemTraits;
-};
-
 // The sm80 kernel of BwdConfig: its Traits where this GPU's thread blocks may have their shared memory, else
 // its SmallSmemTraits.
 template <typename Config>
@@ -57,7 +49,7 @@ cudaError_t launch_bwd_sm80_config(const BwdParams& params, cudaStream_t stream)
     using SmallSmem = typename SmallSmemTraitsOf<Config>::type;
     static_assert(SmallSmem::kSmemBytes <= kMaxSmemBytesSm80, "every backward config must have one that fits A100");
     if constexpr (!std::is_same_v<Traits, SmallSmem>) {
-        if (params.smem_per_block_optin < Traits::kSmemBytes) return launch_bwd_sm80<SmallSmem>(params, stream);
+        if (!bwd_runs_traits<Config>(params.smem_per_block_optin)) return launch_bwd_sm80<SmallSmem>(params, stream);
     }
     return launch_bwd_sm80<Traits>(params, stream);
 }

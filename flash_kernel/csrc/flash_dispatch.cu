@@ -23,6 +23,19 @@ bool hopper_bwd_built(int head_dim_rounded) {
 
 bool bwd_head_dim_supported(int head_dim_rounded) { return head_dim_rounded <= kMaxHeadDim; }
 
+// fp16 and bf16 configs have the same tiles, so the bf16 ones answer for both.
+int sm80_fwd_smem_bytes(const FwdParams& params) {
+    return FLASH_HEADDIM_SWITCH(params.d_rounded, kHeadDim, [&] {
+        return fwd_smem_bytes<FwdConfig<kHeadDim, __nv_bfloat16>>(params.smem_per_block_optin, params.smem_per_sm);
+    });
+}
+
+int sm80_bwd_smem_bytes(const FwdParams& params) {
+    return FLASH_HEADDIM_SWITCH(params.d_rounded, kHeadDim, [&] {
+        return bwd_smem_bytes<BwdConfig<kHeadDim, __nv_bfloat16>>(params.smem_per_block_optin);
+    });
+}
+
 int bwd_block_n(int head_dim_rounded) {
     switch (head_dim_rounded) {
         case 32: return BwdConfig<32, __nv_bfloat16>::Traits::kBlockN;

@@ -11,8 +11,6 @@
 
 namespace flash {
 
-constexpr int kReservedSmemPerBlock = 1024;   // shared memory the driver keeps per thread block (sm80+)
-
 // One sm80 forward kernel of the given Traits.
 template <typename Traits>
 cudaError_t launch_fwd(void (*kernel)(FwdParams), const FwdParams& params, cudaStream_t stream) {
@@ -33,13 +31,6 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
                          Traits::kNThreads, Traits::kSmemBytes, stream, p, maps);
 }
 
-// A config may name OneBlockTraits: what to run where the SM's shared memory cannot hold the
-// kMinBlocksPerSm thread blocks its Traits are tuned for (its 4 warps would then be alone on the SM).
-template <typename Config, typename = void>
-struct OneBlockTraitsOf { using type = typename Config::Traits; };
-template <typename Config>
-struct OneBlockTraitsOf<Config, std::void_t<typename Config::OneBlockTraits>> { using type = typename Config::OneBlockTraits; };
-
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     if constexpr (HopperFwdConfig<kHeadDim, Element>::kAvailable) {
@@ -58,10 +49,7 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     using Config = FwdConfig<kHeadDim, Element>;
     using Traits = typename Config::Traits;
     using OneBlock = typename OneBlockTraitsOf<Config>::type;
-    bool resident = true;  // do Traits::kMinBlocksPerSm blocks fit one SM of this GPU?
-    if constexpr (!std::is_same_v<Traits, OneBlock>) {
-        resident = params.smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
-    }
+    const bool resident = fwd_runs_traits<Config>(params.smem_per_block_optin, params.smem_per_sm);
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
         return resident ? launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream)
                         : launch_fwd<OneBlock>(&flash_fwd_kernel<OneBlock, kIsCausal>, params, stream);

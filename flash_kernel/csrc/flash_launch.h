@@ -53,5 +53,9 @@ bool hopper_fwd_built(int head_dim_rounded);      // an sm_90a forward is compil
 bool hopper_bwd_built(int head_dim_rounded);      // an sm_90a backward is compiled in for this head dim
 bool bwd_head_dim_supported(int head_dim_rounded);  // head dims with a backward instantiation
 int bwd_block_n(int head_dim_rounded);              // keys per backward thread block (sizes num_splits)
+// Dynamic shared memory per thread block of the sm80 forward / main backward kernel that runs for params.d_rounded
+// on a GPU with params' limits (a config's smaller variant where its Traits do not fit).
+int sm80_fwd_smem_bytes(const FwdParams& params);
+int sm80_bwd_smem_bytes(const FwdParams& params);
 
 }  // namespace flash

@@ -41,7 +41,7 @@ struct FwdParams {
     // (fwd_tile_scheduler.h) and the sm80 configs' fallbacks where a GPU's shared memory is smaller (the launches).
     int num_sms;
     int smem_per_sm;          // shared memory per SM, bytes
-    int smem_per_block_optin;  // dynamic shared memory a block may opt in to, bytes
+    int smem_per_block_optin;  // dynamic shared memory a block may opt in to, bytes (flash_api.cpp, set_smem_limits)
     int* tile_counter;  // Hopper causal forward: a zeroed int its blocks take their next tile from; else unused
     bool is_bf16;    // else fp16
     bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp:

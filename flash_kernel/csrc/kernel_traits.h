@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "smem_tile.h"
 
 namespace flash {
@@ -217,5 +219,50 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 //   hd 256: Br 32, Bc 64 (4 warps), 2 column splits of 128; S^T/dP^T 32 keys x 16 queries, dK/dV 32 keys x
 //   64 cols (FA2's warp tiles), dQ 16 queries x 64 cols.
 template <typename E> struct BwdConfig<256, E> { using Traits = BwdVariantTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, true, 2, 2>; };
+
+// A forward config's OneBlockTraits (what runs where the SM's shared memory cannot hold the kMinBlocksPerSm thread
+// blocks its Traits are tuned for, or a block cannot have Traits' bytes), or its Traits where it names none.
+template <typename Config, typename = void>
+struct OneBlockTraitsOf { using type = typename Config::Traits; };
+template <typename Config>
+struct OneBlockTraitsOf<Config, std::void_t<typename Config::OneBlockTraits>> { using type = typename Config::OneBlockTraits; };
+
+// A backward config's SmallSmemTraits, or its Traits where it names none.
+template <typename Config, typename = void>
+struct SmallSmemTraitsOf { using type = typename Config::Traits; };
+template <typename Config>
+struct SmallSmemTraitsOf<Config, std::void_t<typename Config::SmallSmemTraits>> {
+    using type = typename Config::SmallSmemTraits;
+};
+
+constexpr int kReservedSmemPerBlock = 1024;  // shared memory the driver keeps per thread block (sm80+)
+
+// Which variant of a config a GPU with these shared-memory limits runs (the launch templates choose by these; the
+// binding reads the bytes to refuse, with a clear error, a GPU whose blocks get less).
+// Forward: Traits, tuned for kMinBlocksPerSm blocks per SM, where a block may have their bytes and that many blocks
+// fit one SM (else their warps would be alone on it); OneBlockTraits otherwise.
+template <typename Config>
+bool fwd_runs_traits(int smem_per_block_optin, int smem_per_sm) {
+    using Traits = typename Config::Traits;
+    if constexpr (std::is_same_v<Traits, typename OneBlockTraitsOf<Config>::type>) {
+        return true;
+    } else {
+        return smem_per_block_optin >= Traits::kSmemBytes &&
+               smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
+    }
+}
+template <typename Config>
+int fwd_smem_bytes(int smem_per_block_optin, int smem_per_sm) {
+    return fwd_runs_traits<Config>(smem_per_block_optin, smem_per_sm) ? Config::Traits::kSmemBytes
+                                                                      : OneBlockTraitsOf<Config>::type::kSmemBytes;
+}
+// Backward: Traits where a block may have their bytes, SmallSmemTraits otherwise.
+template <typename Config>
+bool bwd_runs_traits(int smem_per_block_optin) { return smem_per_block_optin >= Config::Traits::kSmemBytes; }
+template <typename Config>
+int bwd_smem_bytes(int smem_per_block_optin) {
+    return bwd_runs_traits<Config>(smem_per_block_optin) ? Config::Traits::kSmemBytes
+                                                         : SmallSmemTraitsOf<Config>::type::kSmemBytes;
+}
 
 }  // namespace flash
