@@ -120,7 +120,7 @@ int causal_order_group_heads(int64_t kv_bytes_per_head, int64_t all_heads) {
 // FLASH_KERNEL_MAX_SMEM_PER_BLOCK=N (bytes) is set. The sm80 kernels then choose their variant and are checked as on a
 // GPU whose blocks get N (A100: 166912; sm_86 / sm_89: 101376), so an H100 runs and tests what those GPUs run; with
 // FLASH_KERNEL_FWD=sm80 and FLASH_KERNEL_BWD=sm80, as the Hopper kernels ignore it. Every sm80+ GPU's SM holds
-// 1 KB more than a block may have.
+// one block's driver reserve more than a block may have (A100: 164 / 163 KiB).
 void set_smem_limits(flash::FwdParams& p, const cudaDeviceProp* props) {
     int per_block = static_cast<int>(props->sharedMemPerBlockOptin);
     if (const char* env = std::getenv("FLASH_KERNEL_MAX_SMEM_PER_BLOCK"); env != nullptr && *env != '\0') {
@@ -131,7 +131,8 @@ void set_smem_limits(flash::FwdParams& p, const cudaDeviceProp* props) {
         per_block = static_cast<int>(std::min<long long>(n, per_block));
     }
     p.smem_per_block_optin = per_block;
-    p.smem_per_sm = std::min(static_cast<int>(props->sharedMemPerMultiprocessor), per_block + 1024);
+    p.smem_per_sm =
+        std::min(static_cast<int>(props->sharedMemPerMultiprocessor), per_block + flash::kReservedSmemPerBlock);
 }
 
 // Empty where the sm80 kernel of this pass (the one that runs for p.d_rounded on a GPU with p's limits) fits one
