@@ -240,15 +240,18 @@ constexpr int kReservedSmemPerBlock = 1024;  // shared memory the driver keeps p
 // Which variant of a config a GPU with these shared-memory limits runs (the launch templates choose by these; the
 // binding reads the bytes to refuse, with a clear error, a GPU whose blocks get less).
 // Forward: Traits, tuned for kMinBlocksPerSm blocks per SM, where a block may have their bytes and that many blocks
-// fit one SM (else their warps would be alone on it); OneBlockTraits otherwise.
+// fit one SM (else their warps would be alone on it); OneBlockTraits otherwise, unless a block cannot have those
+// (sm_86 / sm_89 at head dim 128: Traits fit 99 KiB, OneBlockTraits do not), where Traits run one block per SM.
 template <typename Config>
 bool fwd_runs_traits(int smem_per_block_optin, int smem_per_sm) {
     using Traits = typename Config::Traits;
-    if constexpr (std::is_same_v<Traits, typename OneBlockTraitsOf<Config>::type>) {
+    using OneBlock = typename OneBlockTraitsOf<Config>::type;
+    if constexpr (std::is_same_v<Traits, OneBlock>) {
         return true;
     } else {
+        const bool blocks_fit_sm = smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
         return smem_per_block_optin >= Traits::kSmemBytes &&
-               smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
+               (blocks_fit_sm || smem_per_block_optin < OneBlock::kSmemBytes);
     }
 }
 template <typename Config>
