@@ -41,15 +41,20 @@ cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
     });
 }
 
-// The sm80 kernel of BwdConfig: its Traits where this GPU's thread blocks may have their shared memory, else
-// its SmallSmemTraits.
+// The sm80 kernel of BwdConfig that this GPU's thread blocks have the shared memory for (bwd_variant: Traits, else
+// SmallSmemTraits, else Smem99KiBTraits).
 template <typename Config>
 cudaError_t launch_bwd_sm80_config(const BwdParams& params, cudaStream_t stream) {
     using Traits = typename Config::Traits;
     using SmallSmem = typename SmallSmemTraitsOf<Config>::type;
+    using Smem99KiB = typename Smem99KiBTraitsOf<Config, SmallSmem>::type;
     static_assert(SmallSmem::kSmemBytes <= kMaxSmemBytesSm80, "every backward config must have one that fits A100");
-    if constexpr (!std::is_same_v<Traits, SmallSmem>) {
-        if (!bwd_runs_traits<Config>(params.smem_per_block_optin)) return launch_bwd_sm80<SmallSmem>(params, stream);
+    const BwdVariant variant = bwd_variant<Config>(params.smem_per_block_optin);
+    if constexpr (!std::is_same_v<Smem99KiB, SmallSmem>) {
+        if (variant == kBwdSmem99KiB) return launch_bwd_sm80<Smem99KiB>(params, stream);
+    }
+    if constexpr (!std::is_same_v<SmallSmem, Traits>) {
+        if (variant != kBwdTraits) return launch_bwd_sm80<SmallSmem>(params, stream);
     }
     return launch_bwd_sm80<Traits>(params, stream);
 }

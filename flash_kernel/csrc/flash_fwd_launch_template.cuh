@@ -49,10 +49,16 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     using Config = FwdConfig<kHeadDim, Element>;
     using Traits = typename Config::Traits;
     using OneBlock = typename OneBlockTraitsOf<Config>::type;
-    const bool resident = fwd_runs_traits<Config>(params.smem_per_block_optin, params.smem_per_sm);
+    using Smem99KiB = typename Smem99KiBTraitsOf<Config, OneBlock>::type;
+    const FwdVariant variant = fwd_variant<Config>(params.smem_per_block_optin, params.smem_per_sm);
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        return resident ? launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream)
-                        : launch_fwd<OneBlock>(&flash_fwd_kernel<OneBlock, kIsCausal>, params, stream);
+        if constexpr (!std::is_same_v<Smem99KiB, OneBlock>) {
+            if (variant == kFwdSmem99KiB) return launch_fwd<Smem99KiB>(&flash_fwd_kernel<Smem99KiB, kIsCausal>, params, stream);
+        }
+        if constexpr (!std::is_same_v<OneBlock, Traits>) {
+            if (variant != kFwdTraits) return launch_fwd<OneBlock>(&flash_fwd_kernel<OneBlock, kIsCausal>, params, stream);
+        }
+        return launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream);
     });
 }
 

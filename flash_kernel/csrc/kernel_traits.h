@@ -160,13 +160,17 @@ struct BwdVariantTraits : Base {
 // fragment feeds two MMAs) or 8 warps x 1 tile (head dim >= 96, where two tiles' accumulators would
 // spill); Q fragments stay in registers at 32 and 96. At 64 they made the kernel spill 68 B (sm_80, 255
 // registers; 36 B non-causal and none causal without them): re-read from shared memory instead, the forward ran
-// 1.07-1.09 x faster non-causal and 1.04-1.08 x causal on the H100 (docs/kernel_notes.md, "v19"). Backward: see
-// BwdConfig below.
+// 1.07-1.09 x faster non-causal and 1.04-1.08 x causal on the H100 (docs/kernel_notes.md, "v19"). Head dim 96
+// names Smem99KiBTraits, what GPUs that give a thread block 99 KiB (sm_86, sm_89) run: two K/V stages instead of
+// three (fwd_variant). Backward: see BwdConfig below.
 //                                                                       hd   Br   Bc warps Q-regs minBlk stages
 template <int kHeadDim, typename Element> struct FwdConfig;
 template <typename E> struct FwdConfig<32, E>  { using Traits = FwdKernelTraits<32, 128, 64, 4, true, 2, 3, E>; };
 template <typename E> struct FwdConfig<64, E>  { using Traits = FwdKernelTraits<64, 128, 64, 4, false, 1, 3, E>; };
-template <typename E> struct FwdConfig<96, E>  { using Traits = FwdKernelTraits<96, 128, 64, 8, true, 1, 3, E>; };
+template <typename E> struct FwdConfig<96, E>  {
+    using Traits = FwdKernelTraits<96, 128, 64, 8, true, 1, 3, E>;          // 104 KB
+    using Smem99KiBTraits = FwdKernelTraits<96, 128, 64, 8, true, 1, 2, E>;  // 78 KB: two K/V stages
+};
 #if FLASH_FWD_HD128_VARIANT == 0
 template <typename E> struct FwdConfig<128, E> { using Traits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>; };
 #elif FLASH_FWD_HD128_VARIANT == 1
@@ -187,20 +191,32 @@ template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<
 // where that fits A100's 163 KB (not at 64 and 128). docs/kernel_notes.md ("v6 backward") has the ptxas
 // numbers and the reasoning. A config may name SmallSmemTraits: what GPUs whose thread blocks get less shared
 // memory than its Traits need run instead (the launch compares the device's opt-in limit, in the params; they
-// must fit A100's 163 KB).
+// must fit A100's 163 KB). Each names Smem99KiBTraits, for GPUs that give a block 99 KiB (sm_86, sm_89): smaller
+// query blocks (Br 64 at head dims 32 and 64, 32 at 128, 16 at 256), 4 warps (Bc 64) at 96 and 128, and one dO
+// stage, with FA2's warp tiles where they divide. They are not tuned: no such GPU has been lent, and the H100 runs
+// them only for the tests (FLASH_KERNEL_MAX_SMEM_PER_BLOCK).
 // hd128 double-buffers dO where the GPU allows 165 KB (H100: +3-5%, docs/kernel_notes.md "v21"); at hd64 a second
 // dO stage measured within 1% either way.
 // Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone
 // 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
 template <int kHeadDim, typename Element> struct BwdConfig;
 //   hd 32: Br 128; S^T/dP^T warp 64 keys x 32 queries, dK/dV 32 keys x 16 cols, dQ 32 queries x 16 cols.
-template <typename E> struct BwdConfig<32, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<32, 128, 8, 1, E>, 4, 4, true, 2, 2>; };
+template <typename E> struct BwdConfig<32, E>  {
+    using Traits = BwdVariantTraits<BwdKernelTraits<32, 128, 8, 1, E>, 4, 4, true, 2, 2>;
+    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<32, 64, 8, 1, E>, 2, 4, true, 2, 2>;  // Br 64
+};
 //   hd 64: Br 128; S^T/dP^T 32 keys x 64 queries, dK/dV 32 keys x 32 cols, dQ 32 queries x 32 cols. FA2
 //   splits S^T 2 x 4 (64 keys x 32 queries): the same ldmatrix count, but 20-36 B of spill on both archs
 //   here, against 16-28 B on sm_90 only for 4 x 2.
-template <typename E> struct BwdConfig<64, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>; };
+template <typename E> struct BwdConfig<64, E>  {
+    using Traits = BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>;
+    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<64, 64, 8, 1, E>, 2, 4, true, 2, 1>;  // Br 64
+};
 //   hd 96: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 48 cols, dQ 16 queries x 48 cols.
-template <typename E> struct BwdConfig<96, E>  { using Traits = BwdVariantTraits<BwdKernelTraits<96, 64, 8, 1, E>, 2, 4, true, 2, 2>; };
+template <typename E> struct BwdConfig<96, E>  {
+    using Traits = BwdVariantTraits<BwdKernelTraits<96, 64, 8, 1, E>, 2, 4, true, 2, 2>;
+    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<96, 64, 4, 1, E>, 2, 2, true, 2, 1>;  // Bc 64, 1 dO stage
+};
 //   hd 128 (FLASH_BWD_HD128_VARIANT; 3 = v5): Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 x 64, dQ 32 x 32.
 #if FLASH_BWD_HD128_VARIANT == 1
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 4, false, 1, 2>; };
@@ -210,6 +226,8 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 template <typename E> struct BwdConfig<128, E> {
     using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 2>;           // 165 KB
     using SmallSmemTraits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 1>;  // 149 KB
+    // Br 32, Bc 64, one dO stage: Br 64 would need 99 KiB and the tiles' alignment slack on top.
+    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<128, 32, 4, 1, E>, 2, 2, true, 2, 1>;
 };
 #elif FLASH_BWD_HD128_VARIANT == 4
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, false, 1, 2>; };
@@ -218,7 +236,10 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 #endif
 //   hd 256: Br 32, Bc 64 (4 warps), 2 column splits of 128; S^T/dP^T 32 keys x 16 queries, dK/dV 32 keys x
 //   64 cols (FA2's warp tiles), dQ 16 queries x 64 cols.
-template <typename E> struct BwdConfig<256, E> { using Traits = BwdVariantTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, true, 2, 2>; };
+template <typename E> struct BwdConfig<256, E> {
+    using Traits = BwdVariantTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, true, 2, 2>;
+    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<256, 16, 4, 2, E>, 1, 1, true, 2, 1>;  // Br 16, 1 dO stage
+};
 
 // A forward config's OneBlockTraits (what runs where the SM's shared memory cannot hold the kMinBlocksPerSm thread
 // blocks its Traits are tuned for, or a block cannot have Traits' bytes), or its Traits where it names none.
@@ -235,37 +256,61 @@ struct SmallSmemTraitsOf<Config, std::void_t<typename Config::SmallSmemTraits>> 
     using type = typename Config::SmallSmemTraits;
 };
 
+// A config's Smem99KiBTraits (what GPUs that give a thread block 99 KiB run: sm_86, sm_89), or Fallback where it
+// names none.
+template <typename Config, typename Fallback, typename = void>
+struct Smem99KiBTraitsOf { using type = Fallback; };
+template <typename Config, typename Fallback>
+struct Smem99KiBTraitsOf<Config, Fallback, std::void_t<typename Config::Smem99KiBTraits>> {
+    using type = typename Config::Smem99KiBTraits;
+};
+
 constexpr int kReservedSmemPerBlock = 1024;  // shared memory the driver keeps per thread block (sm80+)
 
 // Which variant of a config a GPU with these shared-memory limits runs (the launch templates choose by these; the
-// binding reads the bytes to refuse, with a clear error, a GPU whose blocks get less).
-// Forward: Traits, tuned for kMinBlocksPerSm blocks per SM, where a block may have their bytes and that many blocks
-// fit one SM (else their warps would be alone on it); OneBlockTraits otherwise, unless a block cannot have those
-// (sm_86 / sm_89 at head dim 128: Traits fit 99 KiB, OneBlockTraits do not), where Traits run one block per SM.
+// binding reads the bytes to refuse, with a clear error, a GPU whose blocks get less than the smallest).
+// Forward: kFwdTraits, tuned for kMinBlocksPerSm blocks per SM, where a block may have their bytes and that many
+// blocks fit one SM (else their warps would be alone on it); else OneBlockTraits where a block may have those;
+// else Traits where a block may have those (sm_86 / sm_89 at head dim 128: one block per SM, the only config that
+// fits); else Smem99KiBTraits.
+enum FwdVariant { kFwdTraits, kFwdOneBlock, kFwdSmem99KiB };
 template <typename Config>
-bool fwd_runs_traits(int smem_per_block_optin, int smem_per_sm) {
+FwdVariant fwd_variant(int smem_per_block_optin, int smem_per_sm) {
     using Traits = typename Config::Traits;
     using OneBlock = typename OneBlockTraitsOf<Config>::type;
-    if constexpr (std::is_same_v<Traits, OneBlock>) {
-        return true;
-    } else {
-        const bool blocks_fit_sm = smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
-        return smem_per_block_optin >= Traits::kSmemBytes &&
-               (blocks_fit_sm || smem_per_block_optin < OneBlock::kSmemBytes);
+    const bool traits_fit = smem_per_block_optin >= Traits::kSmemBytes;
+    if constexpr (!std::is_same_v<Traits, OneBlock>) {
+        const bool resident = smem_per_sm >= Traits::kMinBlocksPerSm * (Traits::kSmemBytes + kReservedSmemPerBlock);
+        if (traits_fit && resident) return kFwdTraits;
+        if (smem_per_block_optin >= OneBlock::kSmemBytes) return kFwdOneBlock;
     }
+    return traits_fit ? kFwdTraits : kFwdSmem99KiB;
 }
 template <typename Config>
 int fwd_smem_bytes(int smem_per_block_optin, int smem_per_sm) {
-    return fwd_runs_traits<Config>(smem_per_block_optin, smem_per_sm) ? Config::Traits::kSmemBytes
-                                                                      : OneBlockTraitsOf<Config>::type::kSmemBytes;
+    switch (fwd_variant<Config>(smem_per_block_optin, smem_per_sm)) {
+        case kFwdTraits: return Config::Traits::kSmemBytes;
+        case kFwdOneBlock: return OneBlockTraitsOf<Config>::type::kSmemBytes;
+        default: return Smem99KiBTraitsOf<Config, typename OneBlockTraitsOf<Config>::type>::type::kSmemBytes;
+    }
 }
-// Backward: Traits where a block may have their bytes, SmallSmemTraits otherwise.
+// Backward: the first of Traits, SmallSmemTraits (A100) and Smem99KiBTraits whose bytes a block may have (the last
+// where none fits: refused).
+enum BwdVariant { kBwdTraits, kBwdSmallSmem, kBwdSmem99KiB };
 template <typename Config>
-bool bwd_runs_traits(int smem_per_block_optin) { return smem_per_block_optin >= Config::Traits::kSmemBytes; }
+BwdVariant bwd_variant(int smem_per_block_optin) {
+    if (smem_per_block_optin >= Config::Traits::kSmemBytes) return kBwdTraits;
+    if (smem_per_block_optin >= SmallSmemTraitsOf<Config>::type::kSmemBytes) return kBwdSmallSmem;
+    return kBwdSmem99KiB;
+}
 template <typename Config>
 int bwd_smem_bytes(int smem_per_block_optin) {
-    return bwd_runs_traits<Config>(smem_per_block_optin) ? Config::Traits::kSmemBytes
-                                                         : SmallSmemTraitsOf<Config>::type::kSmemBytes;
+    using SmallSmem = typename SmallSmemTraitsOf<Config>::type;
+    switch (bwd_variant<Config>(smem_per_block_optin)) {
+        case kBwdTraits: return Config::Traits::kSmemBytes;
+        case kBwdSmallSmem: return SmallSmem::kSmemBytes;
+        default: return Smem99KiBTraitsOf<Config, SmallSmem>::type::kSmemBytes;
+    }
 }
 
 }  // namespace flash

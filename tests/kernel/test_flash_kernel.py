@@ -273,10 +273,14 @@ def test_causal_block_order_group_env_is_checked(monkeypatch):
 # ----------------------------------------------------------------- GPUs with less shared memory per block
 # FLASH_KERNEL_MAX_SMEM_PER_BLOCK makes this GPU choose and check the sm80 kernels as one whose thread blocks get
 # that many bytes would (flash_api.cpp, set_smem_limits). A100, 163 KiB: the hd128 backward runs its one-dO-stage
-# SmallSmemTraits, which an H100 never picks on its own. sm_86 / sm_89, 99 KiB: what does not fit is refused
-# before launch, saying what to use instead.
+# SmallSmemTraits. sm_86 / sm_89, 99 KiB: the Smem99KiBTraits of kernel_traits.h (smaller backward tiles, a
+# two-stage forward at head dim 96). An H100 picks neither on its own. Below what the smallest config needs, the
+# kernel is refused before launch, saying what to use instead.
 A100_SMEM_PER_BLOCK = 163 * 1024
 SM89_SMEM_PER_BLOCK = 99 * 1024
+TOO_SMALL_SMEM_PER_BLOCK = 48 * 1024  # only the hd32 forward fits
+SMEM_LIMITS = {"a100": A100_SMEM_PER_BLOCK, "sm89": SM89_SMEM_PER_BLOCK}
+HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 def _emulate_smem_per_block(monkeypatch, limit):
@@ -289,59 +293,70 @@ def _smem_bytes(D, backward):
     return _load_C().sm80_smem_bytes(D, torch.cuda.current_device(), backward)
 
 
-def test_full_smem_runs_every_head_dim_and_a100_runs_its_smaller_backward(monkeypatch):
-    for D in (32, 64, 96, 128, 256):
+def test_full_smem_runs_every_head_dim_and_smaller_limits_pick_smaller_configs(monkeypatch):
+    for D in HEAD_DIMS:
         for deterministic in (False, True):
             assert flash_kernel.unavailable_reason(D, deterministic=deterministic) is None, D
-    full = _smem_bytes(128, True)
-    if full <= A100_SMEM_PER_BLOCK:
+    full = {D: (_smem_bytes(D, False), _smem_bytes(D, True)) for D in HEAD_DIMS}
+    if full[128][1] <= A100_SMEM_PER_BLOCK:
         pytest.skip("this GPU runs the A100 backward configs already")
     _emulate_smem_per_block(monkeypatch, A100_SMEM_PER_BLOCK)
-    assert _smem_bytes(128, True) == full - 128 * 64 * 2  # SmallSmemTraits: one (64 x 128) bf16 dO stage less
+    assert _smem_bytes(128, True) == full[128][1] - 128 * 64 * 2  # SmallSmemTraits: one (64 x 128) bf16 dO stage less
+    _emulate_smem_per_block(monkeypatch, SM89_SMEM_PER_BLOCK)
+    for D in HEAD_DIMS:  # every pass has a config that fits, and it is a smaller one wherever the full one does not
+        for backward in (False, True):
+            need = _smem_bytes(D, backward)
+            assert need <= SM89_SMEM_PER_BLOCK, (D, backward, need)
+            assert need == full[D][backward] or full[D][backward] > SM89_SMEM_PER_BLOCK, (D, backward, need)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(113, 113), (255, 1023), (2049, 2049)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_a100_configs(monkeypatch, dtype, D, causal, seqlen_q, seqlen_k):
-    _emulate_smem_per_block(monkeypatch, A100_SMEM_PER_BLOCK)
-    assert _smem_bytes(D, False) <= A100_SMEM_PER_BLOCK and _smem_bytes(D, True) <= A100_SMEM_PER_BLOCK
+@pytest.mark.parametrize("gpu", list(SMEM_LIMITS))
+def test_smaller_smem_configs(monkeypatch, gpu, dtype, D, causal, seqlen_q, seqlen_k):
+    limit = SMEM_LIMITS[gpu]
+    _emulate_smem_per_block(monkeypatch, limit)
+    assert _smem_bytes(D, False) <= limit and _smem_bytes(D, True) <= limit
     assert flash_kernel.unavailable_reason(D) is None
     run_case(1, seqlen_q, seqlen_k, 4, 2, D, dtype, causal)
 
 
-@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
-def test_kernels_that_do_not_fit_99_kib_are_refused_before_launch(monkeypatch, D):
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_deterministic_backward_at_99_kib(monkeypatch, D):
+    # The ordered splits size themselves by the full config's key blocks (bwd_block_n); the 99 KiB configs have
+    # as many or more, each split walking several.
     _emulate_smem_per_block(monkeypatch, SM89_SMEM_PER_BLOCK)
-    fits = {pass_: _smem_bytes(D, pass_ == "bwd") <= SM89_SMEM_PER_BLOCK for pass_ in ("fwd", "bwd")}
-    reason = flash_kernel.unavailable_reason(D)
-    assert (reason is None) == (fits["fwd"] and fits["bwd"]), reason
-    if reason is None:
-        run_case(1, 77, 77, 4, 2, D, torch.bfloat16, causal=True)
-        return
+    assert flash_kernel.unavailable_reason(D, deterministic=True) is None
+    run_case(2, 700, 1500, 4, 2, D, torch.bfloat16, causal=True, deterministic=True)
+    q, k, v, do = _randn_qkv(2, 700, 1500, 4, 2, D, torch.bfloat16)
+    o, lse = kernel_fwd(q, k, v, True, 0.1)
+    first = kernel_bwd(do, q, k, v, o, lse, True, 0.1, True)
+    again = kernel_bwd(do, q, k, v, o, lse, True, 0.1, True)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("D", [32, 128])
+def test_kernels_that_do_not_fit_are_refused_before_launch(monkeypatch, D):
+    _emulate_smem_per_block(monkeypatch, TOO_SMALL_SMEM_PER_BLOCK)
+    fits = {pass_: _smem_bytes(D, pass_ == "bwd") <= TOO_SMALL_SMEM_PER_BLOCK for pass_ in ("fwd", "bwd")}
+    assert fits == {"fwd": D == 32, "bwd": False}
     with pytest.raises(RuntimeError, match=f"attention=flash cannot run at head dim {D} on cuda"):
         check_attention_runs_on("flash", D, torch.device("cuda", torch.cuda.current_device()))
     refused = rf"the {{}} kernel at head dim {D} needs [\d.]+ KiB of shared memory per thread block, but .* gives a " \
-              r"block at most 99.0 KiB under FLASH_KERNEL_MAX_SMEM_PER_BLOCK\. .*attention=sdpa"
+              r"block at most 48.0 KiB under FLASH_KERNEL_MAX_SMEM_PER_BLOCK\. .*attention=sdpa"
     q, k, v, do = _randn_qkv(1, 77, 77, 4, 2, D, torch.bfloat16)
     if fits["fwd"]:
         o, lse = kernel_fwd(q, k, v, True, 0.125)
-        check_outputs((o, lse), q, k, v, do, True, 0.125, f"forward of D={D} at 99 KiB")
+        check_outputs((o, lse), q, k, v, do, True, 0.125, f"forward of D={D} at 48 KiB")
     else:
         with pytest.raises(RuntimeError, match=refused.format("forward")):
             kernel_fwd(q, k, v, True, 0.125)
         o, lse = torch.zeros_like(q), torch.zeros(1, 4, 77, device="cuda")  # never read: refused before launch
-    if not fits["bwd"]:
-        with pytest.raises(RuntimeError, match=refused.format("backward")):
-            kernel_bwd(do, q, k, v, o, lse, True, 0.125)
-
-
-def test_today_no_backward_fits_99_kib(monkeypatch):
-    # What the test above branches on, pinned: a change that adds 99 KiB backward configs updates this line.
-    _emulate_smem_per_block(monkeypatch, SM89_SMEM_PER_BLOCK)
-    assert all(_smem_bytes(D, True) > SM89_SMEM_PER_BLOCK for D in (32, 64, 96, 128, 256))
-    assert [D for D in (32, 64, 96, 128, 256) if _smem_bytes(D, False) > SM89_SMEM_PER_BLOCK] == [96]
+    with pytest.raises(RuntimeError, match=refused.format("backward")):
+        kernel_bwd(do, q, k, v, o, lse, True, 0.125)
 
 
 def test_smem_limit_env_is_checked(monkeypatch):
