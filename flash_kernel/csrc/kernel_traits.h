@@ -269,10 +269,10 @@ constexpr int kReservedSmemPerBlock = 1024;  // shared memory the driver keeps p
 
 // Which variant of a config a GPU with these shared-memory limits runs (the launch templates choose by these; the
 // binding reads the bytes to refuse, with a clear error, a GPU whose blocks get less than the smallest).
-// Forward: kFwdTraits, tuned for kMinBlocksPerSm blocks per SM, where a block may have their bytes and that many
-// blocks fit one SM (else their warps would be alone on it); else OneBlockTraits where a block may have those;
-// else Traits where a block may have those (sm_86 / sm_89 at head dim 128: one block per SM, the only config that
-// fits); else Smem99KiBTraits.
+// Forward: Traits, tuned for kMinBlocksPerSm blocks per SM, where a block may have their bytes and that many blocks
+// fit one SM (else their warps would be alone on it); else OneBlockTraits where a block may have those; else Traits
+// where a block may have those (sm_86 / sm_89 at head dim 128: one block per SM, the only config that fits); else
+// Smem99KiBTraits where the config names them; else the smaller of the two (refused).
 enum FwdVariant { kFwdTraits, kFwdOneBlock, kFwdSmem99KiB };
 template <typename Config>
 FwdVariant fwd_variant(int smem_per_block_optin, int smem_per_sm) {
@@ -284,7 +284,9 @@ FwdVariant fwd_variant(int smem_per_block_optin, int smem_per_sm) {
         if (traits_fit && resident) return kFwdTraits;
         if (smem_per_block_optin >= OneBlock::kSmemBytes) return kFwdOneBlock;
     }
-    return traits_fit ? kFwdTraits : kFwdSmem99KiB;
+    if (traits_fit) return kFwdTraits;
+    if constexpr (!std::is_void_v<typename Smem99KiBTraitsOf<Config, void>::type>) return kFwdSmem99KiB;
+    return Traits::kSmemBytes <= OneBlock::kSmemBytes ? kFwdTraits : kFwdOneBlock;
 }
 template <typename Config>
 int fwd_smem_bytes(int smem_per_block_optin, int smem_per_sm) {
