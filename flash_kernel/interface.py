@@ -61,7 +61,7 @@ def unavailable_reason(
 
     With a head_dim, also whether its forward and backward kernels can train at that head dim on `device`
     (default: the current CUDA device): a head dim outside the contract, or a GPU that gives a thread block less
-    shared memory than the kernels ask for (sm_86 / sm_89 GPUs: 99 KiB), is a reason too.
+    shared memory than its smallest kernel configs ask for (under FLASH_KERNEL_MAX_SMEM_PER_BLOCK), is a reason too.
     """
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False); flash_kernel runs on NVIDIA GPUs only"

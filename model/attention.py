@@ -141,7 +141,8 @@ FLASH_HEAD_DIM_MULTIPLE = 8
 
 def check_attention_runs_on(name: str, head_dim: int, device: torch.device) -> None:
     """Fail before the first step where `name` cannot run at head_dim on this device: flash needs its built
-    extension, and a GPU whose thread blocks get the shared memory its kernels ask for (not sm_86 / sm_89)."""
+    extension, and a GPU whose thread blocks get the shared memory of its smallest kernel configs (99 KiB or less,
+    which every sm_80+ GPU gives; FLASH_KERNEL_MAX_SMEM_PER_BLOCK can ask for less)."""
     if name != "flash" or device.type != "cuda":
         return
     import flash_kernel

@@ -136,8 +136,8 @@ void set_smem_limits(flash::FwdParams& p, const cudaDeviceProp* props) {
 }
 
 // Empty where the sm80 kernel of this pass (the one that runs for p.d_rounded on a GPU with p's limits) fits one
-// thread block; else why not, and what to use instead. sm_86 / sm_89 GPUs give a block 99 KiB, less than most of
-// these kernels ask for.
+// thread block; else why not, and what to use instead. Every config has a variant for 99 KiB (sm_86 / sm_89), so
+// on a real sm80+ GPU this refuses only under FLASH_KERNEL_MAX_SMEM_PER_BLOCK.
 std::string sm80_smem_shortfall(const flash::FwdParams& p, bool backward, int device_index) {
     const int need = backward ? flash::sm80_bwd_smem_bytes(p) : flash::sm80_fwd_smem_bytes(p);
     if (need <= p.smem_per_block_optin) return "";
