@@ -150,8 +150,8 @@ std::string sm80_smem_shortfall(const flash::FwdParams& p, bool backward, int de
     if (p.smem_per_block_optin < static_cast<int>(props->sharedMemPerBlockOptin)) {
         msg += " under FLASH_KERNEL_MAX_SMEM_PER_BLOCK";
     }
-    return msg + ". Its tiles are sized for A100- and H100-class GPUs (163 KiB and more); on this GPU use PyTorch's "
-                 "scaled_dot_product_attention (attention=sdpa in train.py).";
+    // Where no config fits, `need` is the smallest one's (fwd_variant / bwd_variant fall back to it).
+    return msg + ". Use PyTorch's scaled_dot_product_attention (attention=sdpa in train.py) on this GPU instead.";
 }
 
 void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -216,9 +216,10 @@ int64_t sm80_smem_bytes(int64_t head_dim, int64_t device_index, bool backward) {
     return backward ? flash::sm80_bwd_smem_bytes(p) : flash::sm80_fwd_smem_bytes(p);
 }
 
-// Refuse, before anything is allocated or launched, the sm80 kernel of this pass where it does not fit this device.
-void check_sm80_fits(int64_t head_dim, int device, bool backward) {
-    const std::string shortfall = sm80_smem_shortfall(limit_params(head_dim, device), backward, device);
+// Refuse, before anything is launched, the sm80 kernel of this pass where it does not fit this device (p: its head
+// dim and limits).
+void check_sm80_fits(const flash::FwdParams& p, int device, bool backward) {
+    const std::string shortfall = sm80_smem_shortfall(p, backward, device);
     TORCH_CHECK(shortfall.empty(), shortfall);
 }
 
@@ -244,13 +245,12 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     if (s.b == 0 || s.h == 0) return;
 
     const int device = q.device().index();
-    const bool hopper = fwd_runs_hopper(flash::round_head_dim(static_cast<int>(s.d)), device);
-    if (!hopper) check_sm80_fits(s.d, device, /*backward=*/false);
-
     const c10::cuda::CUDAGuard device_guard(q.device());
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
     p.use_sm90 = sm90_forward_allowed(device);
+    const bool hopper = p.use_sm90 && flash::hopper_fwd_built(p.d_rounded);  // fwd_runs_hopper, from the params
+    if (!hopper) check_sm80_fits(p, device, /*backward=*/false);
     // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
     at::Tensor tile_counter;
     if (causal) {  // K and V bytes of a query head (shared by h / h_k of them under GQA)
@@ -289,7 +289,9 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
                 65535 / 2, " query heads, got ", s.h);
     if (s.b == 0 || s.h == 0) return;
     const int device = q.device().index();
-    if (!bwd_runs_hopper(d_rounded, device, deterministic)) check_sm80_fits(s.d, device, /*backward=*/true);
+    if (!bwd_runs_hopper(d_rounded, device, deterministic)) {  // before dq_accum and the rest are allocated
+        check_sm80_fits(limit_params(s.d, device), device, /*backward=*/true);
+    }
 
     const c10::cuda::CUDAGuard device_guard(q.device());
     const auto f32 = q.options().dtype(at::kFloat);
