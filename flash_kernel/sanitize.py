@@ -147,6 +147,8 @@ def tiny_cases():
         # with Tq > Tk leaving one query block per head without keys (csrc/fwd_tile_scheduler.h).
         dict(b=2, tq=400, tk=150, h=48, h_k=8, d=64, dtype=torch.bfloat16, causal=True),
         dict(b=2, tq=300, tk=300, h=48, h_k=8, d=128, dtype=torch.float16, causal=False),
+        # Head dim 64 non-causal: three warpgroups on 192-row tiles, the last of each head partly past Tq.
+        dict(b=2, tq=400, tk=300, h=48, h_k=8, d=64, dtype=torch.bfloat16, causal=False),
         # From 2048 keys up the hd64 and hd128 Hopper forwards run wider key blocks (csrc/hopper_kernel_traits.h).
         # Few queries keep them quick under racecheck.
         dict(b=1, tq=400, tk=2100, h=2, h_k=1, d=64, dtype=torch.bfloat16, causal=True),

@@ -1,4 +1,4 @@
-// FlashAttention-2 forward (Algorithm 1) on Hopper: wgmma (sm_90a) instead of mma.sync, two ping-pong warpgroups.
+// FlashAttention-2 forward (Algorithm 1) on Hopper: wgmma (sm_90a) instead of mma.sync, ping-pong warpgroups.
 //
 // Same algorithm, masking and outputs as flash_fwd_kernel.cuh (which has the line-by-line Algorithm 1 text);
 // what changes is who does the matmuls, where their operands live, and who loads them:
@@ -9,20 +9,20 @@
 //     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
 //   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block, issued by thread 0)
 //     into kNStages stages each for K and V; each stage has a "full" mbarrier (its bytes landed) and an
-//     "empty" one (both warpgroups are done reading it), so no block-wide barrier couples the warpgroups.
+//     "empty" one (every warpgroup is done reading it), so no block-wide barrier couples the warpgroups.
 //     Once it has issued its turn j, thread 0 loads K_{j+kNStages-1} into the stage K_{j-1} freed and
 //     V_{j+kNStages-2} into the one V_{j-2} freed, while its warp waits for the tensor cores anyway: warpgroup 0
-//     released both in turn j - 1, warpgroup 1 in its turn j - 1, which the tensor cores finish before
+//     released both in turn j - 1, the others in their turns j - 1, which the tensor cores finish before
 //     warpgroup 0's turn j. (Loading after the wait put thread 0's waits and copies on warpgroup 0's path to
 //     its softmax: -8 to -12% at head dim 64, where the softmax is the longer half of a turn.)
-//   - Ping-pong (FA3 paper, section 3.1): the two warpgroups take turns to issue their matmuls
-//     (named barriers), so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
-//     Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait covers both and the
-//     softmax of S_j runs while the other warpgroup's pair is on the tensor cores.
+//   - Ping-pong (FA3 paper, section 3.1): the warpgroups (two, or three for hd64 non-causal) take turns in a
+//     ring to issue their matmuls (named barriers), so the tensor cores run one warpgroup's GEMMs while the
+//     others do their softmax. Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait
+//     covers both and the softmax of S_j runs while the other warpgroups' pairs are on the tensor cores.
 //   - Persistent (v16, fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
 //     stages and their barrier phases run on across tiles; in a tile's last turn thread 0 loads the next tile's
-//     Q (once the tile's last S released it) and first K/V, and warpgroup 0 starts the next tile while
-//     warpgroup 1 finishes this one. O is stored straight from the accumulators (sQ holds the next Q by then).
+//     Q (once the tile's last S released it) and first K/V, and warpgroup 0 starts the next tile while the
+//     others finish this one. O is stored straight from the accumulators (sQ holds the next Q by then).
 #pragma once
 
 #include <cmath>
@@ -38,7 +38,9 @@ namespace flash {
 
 // Named barriers of the kernel (0 is __syncthreads, used once, after the mbarriers are initialised).
 constexpr int kBarTurnWg0 = 1;     // + wg: "warpgroup wg may issue its matmuls"
-constexpr int kBarNextTile = 3;    // warpgroup 0: the loader has shared the next tile (causal)
+constexpr int kBarNextTile = kBarTurnWg0 + kMaxFwdWarpgroups;  // warpgroup 0: the loader has shared the next tile
+// A turn barrier: the warpgroup whose turn it is syncs, the one before it arrives.
+constexpr int kTurnBarThreads = 2 * kWarpgroupThreads;
 
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // The stages run on across tiles: K/V tile n_block of a tile whose first K/V tile is this block's kv_base-th
     // has running index kv = kv_base + n_block, lives in stage kv % kNStages and completes its barriers' phase
     // kv / kNStages.
-    // (Loader only.) K or V tile n_block of (head_k, batch), running index kv, once both warpgroups released the
+    // (Loader only.) K or V tile n_block of (head_k, batch), running index kv, once every warpgroup released the
     // tile its stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers.
     auto load = [&](const CUtensorMap* map, uint32_t stage_tiles, uint32_t full, uint32_t empty, int kv, int n_block,
                     int head_k, int batch) {
@@ -215,16 +217,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
     };
 
-    // Ping-pong turns: warpgroup 0 goes first; every turn ends by handing the tensor cores to the other one, across
-    // tiles too (warpgroup 0 starts tile i + 1 while warpgroup 1 finishes tile i). Both make n_block_max + 1 turns
-    // per tile; warpgroup 1 skips its very last hand-over (nobody would take it).
-    const int my_turn = kBarTurnWg0 + wg, other_turn = kBarTurnWg0 + (1 - wg);
+    // Ping-pong turns: warpgroup 0 goes first; every turn ends by handing the tensor cores to the next one in the
+    // ring, across tiles too (warpgroup 0 starts tile i + 1 while the last one finishes tile i). Each makes
+    // n_block_max + 1 turns per tile; the last warpgroup skips its very last hand-over (nobody would take it).
+    constexpr int kNWarpgroups = Traits::kNWarpgroups;
+    const int my_turn = kBarTurnWg0 + wg;
+    const int next_turn = kBarTurnWg0 + (wg == kNWarpgroups - 1 ? 0 : wg + 1);
     int tile = blockIdx.x;  // < num_tiles: the launch runs min(SMs, num_tiles) blocks
     int next = 0;           // the tile after this one (causal: the loader's until it shares it in the last turn)
     int kv_base = 0;        // K/V tiles this block consumed before the current tile
     int tile_iter = 0;      // tiles this block finished before the current one
     if (loader) load_tile_head(tile, tile_iter, kv_base);
-    if (wg == 1) named_barrier_arrive(kBarTurnWg0, kNThreads);
+    if (wg == kNWarpgroups - 1) named_barrier_arrive(kBarTurnWg0, kTurnBarThreads);
 
     while (true) {
         const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, params, tile);
@@ -258,11 +262,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // Turn 0: S_0. (TMA writes and wgmma reads are both async-proxy accesses: no proxy fence.)
         mbarrier_wait(full_q, tile_iter & 1);
         mbarrier_wait(full_k(stage_of(0)), phase_of(0));
-        named_barrier_sync(my_turn, kNThreads);
+        named_barrier_sync(my_turn, kTurnBarThreads);
         wgmma_fence();
         issue_s(stage_of(0));
         wgmma_commit();
-        named_barrier_arrive(other_turn, kNThreads);
+        named_barrier_arrive(next_turn, kTurnBarThreads);
         claim_next(0);
         load_ahead(0);
         wgmma_wait<0>();
@@ -276,12 +280,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             const int stage = stage_of(n_block), prev = stage_of(n_block - 1);
             mbarrier_wait(full_v(prev), phase_of(n_block - 1));
             mbarrier_wait(full_k(stage), phase_of(n_block));
-            named_barrier_sync(my_turn, kNThreads);
+            named_barrier_sync(my_turn, kTurnBarThreads);
             wgmma_fence();
             issue_pv(prev);
             issue_s(stage);
             wgmma_commit();
-            named_barrier_arrive(other_turn, kNThreads);
+            named_barrier_arrive(next_turn, kTurnBarThreads);
             claim_next(n_block);
             load_ahead(n_block);
             wgmma_wait<0>();
@@ -293,22 +297,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             softmax(n_block, row0);
         }
 
-        // Last turn: O += P_last V_last. Then the loader starts the next tile's loads, which land while both
+        // Last turn: O += P_last V_last. Then the loader starts the next tile's loads, which land while the
         // warpgroups finish this one.
         const int last = stage_of(n_block_max - 1);
         mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
-        named_barrier_sync(my_turn, kNThreads);
+        named_barrier_sync(my_turn, kTurnBarThreads);
         wgmma_fence();
         issue_pv(last);
         wgmma_commit();
-        if constexpr (kIsCausal) {  // the loader shares the next tile: warpgroup 0 reads it after their barrier,
-            if (loader) *next_tile_slot = next;  // warpgroup 1 after its last turn's (which follows our hand-over)
+        if constexpr (kIsCausal) {  // the loader shares the next tile: warpgroup 0 reads it after their barrier, the
+            if (loader) *next_tile_slot = next;  // others after their last turn's (which follow our hand-over)
             if (wg == 0) named_barrier_sync(kBarNextTile, kWarpgroupThreads);
             next = *next_tile_slot;
         }
         const bool more = next < tiles.num_tiles;
-        if (wg == 0 || more) named_barrier_arrive(other_turn, kNThreads);
-        // The next tile's Q, first K and V: they land while both warpgroups finish this tile. (A second Q stage,
+        if (wg < kNWarpgroups - 1 || more) named_barrier_arrive(next_turn, kTurnBarThreads);
+        // The next tile's Q, first K and V: they land while the warpgroups finish this tile. (A second Q stage,
         // loaded a turn earlier, measured 1-4% slower at hd64: the loader's waits then sat before warpgroup 0's
         // softmax.)
         if (loader && more) load_tile_head(next, tile_iter + 1, kv_base + n_block_max);

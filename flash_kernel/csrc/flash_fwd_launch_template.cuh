@@ -36,13 +36,18 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     if constexpr (HopperFwdConfig<kHeadDim, Element>::kAvailable) {
         if (params.use_sm90) {
             using Config = HopperFwdConfig<kHeadDim, Element>;
+            using NonCausalTraits = typename NonCausalTraitsOf<Config>::type;
             return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-                if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
-                    if (params.seqlen_k < Config::kLongKeys) {
-                        return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal>(params, stream);
+                if constexpr (!kIsCausal && !std::is_void_v<NonCausalTraits>) {
+                    return launch_fwd_hopper<NonCausalTraits, false>(params, stream);
+                } else {
+                    if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
+                        if (params.seqlen_k < Config::kLongKeys) {
+                            return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal>(params, stream);
+                        }
                     }
+                    return launch_fwd_hopper<typename Config::Traits, kIsCausal>(params, stream);
                 }
-                return launch_fwd_hopper<typename Config::Traits, kIsCausal>(params, stream);
             });
         }
     }

@@ -1,14 +1,16 @@
 // Tile shapes of the Hopper (sm_90a, wgmma) forward, per head dim (issue 5, stage 2).
 //
-// A thread block is two warpgroups of 64 query rows each (kBlockM = 128). Each computes its S = Q K^T
-// (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P as the register
-// A operand. K and V tiles of kBlockN keys stream into kNStages stages each by TMA (hopper_tma.h),
+// A thread block is two or three warpgroups of 64 query rows each (kBlockM = 128 or 192). Each computes its
+// S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P as the
+// register A operand. K and V tiles of kBlockN keys stream into kNStages stages each by TMA (hopper_tma.h),
 // on full/empty mbarriers per stage. Shared memory holds Q and the K/V stages in the 128B-swizzled
 // layout of hopper_utils.cuh, then the mbarriers.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 #include "hopper_utils.cuh"
 #include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants, kMaxSmemBytesSm90
@@ -17,6 +19,7 @@ namespace flash {
 
 constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpgroupRows = 64;               // wgmma's M
+constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers (flash_fwd_hopper_kernel.cuh)
 
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
@@ -24,7 +27,7 @@ constexpr int kWarpgroupRows = 64;               // wgmma's M
 // kPolyExpEvery > 0: the softmax computes the exponentials of every kPolyExpEvery-th n8 tile of S with
 // poly_exp2 (FMA pipe) instead of ex2.approx (SFU).
 template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_, int kQKDim_ = kHeadDim_,
-          int kPolyExpEvery_ = 0>
+          int kPolyExpEvery_ = 0, int kNWarpgroups_ = 2>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -34,8 +37,9 @@ struct HopperFwdTraits {
     static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
     static constexpr int kPolyExpEvery = kPolyExpEvery_;
     // No producer warp: the launch bound of 256 threads leaves 255 registers per thread for S, O and P (~200);
-    // 288 threads would cap them at 168 (ptxas allocates for 384) and spill.
-    static constexpr int kNWarpgroups = 2;
+    // 288 threads would cap them at 168 (ptxas allocates for 384) and spill. Three warpgroups (384 threads, 168
+    // registers) fit where S is at most 128 keys wide and O at most 64 columns.
+    static constexpr int kNWarpgroups = kNWarpgroups_;
     static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
     static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
@@ -52,6 +56,7 @@ struct HopperFwdTraits {
                   "Q K^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
     static_assert(kNStages >= 2, "K_{j+kNStages-1} and V_{j+kNStages-2} load while turn j computes");
+    static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
 };
 
@@ -61,6 +66,7 @@ struct HopperFwdTraits {
 // hd64) cut the turns per key by a third or a half, and with them each turn's fixed work (barriers, the rows' max
 // and sum, O's rescale): 3-12% faster from 2k keys up. Below, where a tile has few key blocks, the causal
 // diagonal's masked block grows with them, and they ran 2-12% slower (docs/kernel_notes.md, "v17").
+// A config that names NonCausalTraits runs them for every non-causal input instead (v23).
 //                                                                           hd   Bc stages minBlk
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
@@ -72,6 +78,11 @@ template <typename E> struct HopperFwdConfig<64, E> {
     using Traits = HopperFwdTraits<64, 256, 3, 1, E, 64, 8>;       // 209 KB of shared memory; 250 registers
     using ShortTraits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8>;  // 113 KB
     static constexpr int kLongKeys = 2048;
+    // Non-causal inputs of every length run three warpgroups (192 query rows) on 128-key blocks: each warpgroup's
+    // softmax then hides behind two other warpgroups' matmuls instead of one (+1 to +10% over the tiles above, v23).
+    // Causal inputs keep two: on 192-row tiles their diagonal blocks and longest tiles grow, and they ran 0-10%
+    // slower. 121 KB; 154 registers (the launch bound of 384 threads allows 168).
+    using NonCausalTraits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8, 3>;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
@@ -87,5 +98,11 @@ template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr int kLongKeys = 2048;
 };
 #endif
+
+// A config's NonCausalTraits, or void where non-causal inputs run the causal ones' tiles.
+template <typename Config, typename = void>
+struct NonCausalTraitsOf { using type = void; };
+template <typename Config>
+struct NonCausalTraitsOf<Config, std::void_t<typename Config::NonCausalTraits>> { using type = typename Config::NonCausalTraits; };
 
 }  // namespace flash
