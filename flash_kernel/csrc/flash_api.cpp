@@ -288,21 +288,23 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     TORCH_CHECK(d_rounded <= 128 || s.h <= 65535 / 2, "flash_kernel: backward with head dim > 128 supports at most ",
                 65535 / 2, " query heads, got ", s.h);
     if (s.b == 0 || s.h == 0) return;
-    const int device = q.device().index();
-    if (!bwd_runs_hopper(d_rounded, device, deterministic)) {  // before dq_accum and the rest are allocated
-        check_sm80_fits(limit_params(s.d, device), device, /*backward=*/true);
-    }
 
+    const int device = q.device().index();
     const c10::cuda::CUDAGuard device_guard(q.device());
+    flash::BwdParams p{};
+    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
+    p.use_sm90 = sm90_backward_allowed(device);
+    if (!bwd_runs_hopper(d_rounded, device, deterministic)) {  // before dq_accum and the rest are allocated
+        check_sm80_fits(p, device, /*backward=*/true);
+    }
     const auto f32 = q.options().dtype(at::kFloat);
 
     // Deterministic: one ordered worker per split, about one wave of thread blocks in all.
     const int64_t num_n_blocks = ceil_div(s.tk, flash::bwd_block_n(d_rounded));
     int num_splits = 1;
     if (deterministic) {
-        const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
         const int64_t heads = s.b * s.h;
-        num_splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_n_blocks, ceil_div(num_sms, heads))));
+        num_splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_n_blocks, ceil_div(p.num_sms, heads))));
     }
     at::Tensor delta = at::empty({s.b, s.h, s.tq}, f32);                               // (B, Hq, Tq)
     // (S, B, Hq, Tq, Dr); zeroed by the preprocess kernel, which reads every row anyway
@@ -312,9 +314,6 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     at::Tensor dk_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dk;  // (B, Tk, Hq, D)
     at::Tensor dv_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dv;
 
-    flash::BwdParams p{};
-    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
-    p.use_sm90 = sm90_backward_allowed(device);
     p.do_ptr = dout.data_ptr();
     p.dq_ptr = dq.data_ptr();
     p.dk_ptr = dk_expanded.data_ptr();
