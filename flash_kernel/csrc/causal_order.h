@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "fast_div.h"
+
 namespace flash {
 
 constexpr int64_t kCausalGroupBytes = 16 << 20;
@@ -30,25 +32,44 @@ struct BlockCoord {
     int block, head, batch;
 };
 
-#ifdef __CUDACC__
-// Device: the (query block, head, batch) of tile `linear` in a causal grid of n_blocks query blocks per (batch,
-// head) pair, heads per batch and all_heads = heads * batches pairs (batch-major). 32-bit arithmetic (three
-// divisions per tile): a grid of 2^32 tiles would need ~8 TB of q alone (each tile owns >= 64 rows of >= 8
-// columns per head).
-__device__ __forceinline__ BlockCoord causal_tile_coord(uint32_t linear, uint32_t n_blocks, uint32_t heads,
-                                                        uint32_t all_heads, uint32_t group) {
-    const uint32_t first = linear / (group * n_blocks) * group;  // the group's first (batch, head) pair
-    const uint32_t in_group = linear - first * n_blocks;
-    const uint32_t heads_here = min(group, all_heads - first);  // the last group may be short
-    const uint32_t rank = in_group / heads_here;                 // 0: each head's last (longest) block
-    const uint32_t pair = first + (in_group - rank * heads_here);
-    return {static_cast<int>(n_blocks - 1 - rank), static_cast<int>(pair % heads), static_cast<int>(pair / heads)};
+// The order of a causal grid of n_blocks query blocks per (batch, head) pair, `heads` heads per batch and
+// all_heads = heads * batches pairs (batch-major), in groups of `group` pairs, with the divisors causal_tile_coord
+// needs. Div is FastDiv (fast_div.h) where the host builds them once for a launch's many tiles (the Hopper forward's
+// scheduler), PlainDiv where a thread block finds its one tile.
+template <typename Div>
+struct CausalOrder {
+    uint32_t n_blocks, all_heads, group;
+    Div group_tiles;       // group * n_blocks: the tiles of a group
+    Div group_pairs;       // group
+    Div last_group_pairs;  // the last group's pairs (fewer than group unless group divides all_heads)
+    Div heads;
+};
+
+template <typename Div>
+__host__ __device__ inline CausalOrder<Div> causal_order(uint32_t n_blocks, uint32_t heads, uint32_t all_heads,
+                                                         uint32_t group) {
+    const uint32_t last_first = (all_heads - 1) / group * group;  // the last group's first pair
+    return {n_blocks, all_heads, group, Div(group * n_blocks), Div(group), Div(all_heads - last_first), Div(heads)};
 }
 
+// The (query block, head, batch) of tile `linear`. 32-bit arithmetic: a grid of 2^31 tiles would need ~4 TB of q
+// alone (each tile owns >= 64 rows of >= 8 columns per head).
+template <typename Div>
+__host__ __device__ __forceinline__ BlockCoord causal_tile_coord(uint32_t linear, const CausalOrder<Div>& o) {
+    const uint32_t first = o.group_tiles.div(linear) * o.group;  // the group's first (batch, head) pair
+    const uint32_t in_group = linear - first * o.n_blocks;
+    const Div pairs_here = o.all_heads - first < o.group ? o.last_group_pairs : o.group_pairs;
+    const uint32_t rank = pairs_here.div(in_group);  // 0: each head's last (longest) block
+    const uint32_t pair = first + (in_group - rank * pairs_here.d);
+    const uint32_t batch = o.heads.div(pair);
+    return {static_cast<int>(o.n_blocks - 1 - rank), static_cast<int>(pair - batch * o.heads.d), static_cast<int>(batch)};
+}
+
+#ifdef __CUDACC__
 // This thread block's tile of a (n_blocks, h, b) grid, in the order above.
 __device__ __forceinline__ BlockCoord causal_block_order(int group_heads) {
     const uint32_t linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    return causal_tile_coord(linear, gridDim.x, gridDim.y, gridDim.y * gridDim.z, group_heads);
+    return causal_tile_coord(linear, causal_order<PlainDiv>(gridDim.x, gridDim.y, gridDim.y * gridDim.z, group_heads));
 }
 
 // A forward thread block's (query block, head, batch): the order above when causal, else the grid's own.

@@ -44,7 +44,8 @@ constexpr int kTurnBarThreads = 2 * kWarpgroupThreads;
 
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
-    flash_fwd_hopper_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ QkvTensorMaps maps) {
+    flash_fwd_hopper_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ QkvTensorMaps maps,
+                            const __grid_constant__ FwdTiles tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
@@ -77,7 +78,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // Causal: the next tile, from the loader (fwd_tile_scheduler.h) to the other threads.
     volatile int* next_tile_slot = reinterpret_cast<volatile int*>(smem + Traits::kSmemTileBytes + 8 * Traits::kNMbarriers);
 
-    const FwdTiles tiles = fwd_tiles<kBlockM>(params);
     const int tid = threadIdx.x;
     const int seqlen_q = params.seqlen_q;
     const int seqlen_k = params.seqlen_k;
@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // every thread's last S of the tile before is done reading it (full_q and empty_q complete phase tile_iter
     // for the tile_iter-th tile).
     auto load_tile_head = [&](int tile, int tile_iter, int kv_base) {
-        const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, params, tile);
-        const int n_block_max = key_blocks(c.block), head_k = c.head / params.h_h_k_ratio;
+        const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, tile);
+        const int n_block_max = key_blocks(c.block), head_k = tiles.q_per_kv_head.div(c.head);
         if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
         tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, c.block * kBlockM, c.head, c.batch, full_q);
         for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(kv_base + j, j, head_k, c.batch);
@@ -231,12 +231,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     if (wg == kNWarpgroups - 1) named_barrier_arrive(kBarTurnWg0, kTurnBarThreads);
 
     while (true) {
-        const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, params, tile);
+        const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, tile);
         const int bidh = coord.head, bidb = coord.batch;
         const int row0 = coord.block * kBlockM;
         const int valid_rows = min(kBlockM, seqlen_q - row0);
         const int n_block_max = key_blocks(coord.block);
-        const int bidh_k = bidh / params.h_h_k_ratio;  // GQA/MQA: the kv head of this query head
+        const int bidh_k = tiles.q_per_kv_head.div(bidh);  // GQA/MQA: the kv head of this query head
         auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
         auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
         // Issued with turn j: K_{j+kNStages-1} and V_{j+kNStages-2}.

@@ -26,9 +26,9 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     if (kIsCausal && p.tile_counter == nullptr) return cudaErrorInvalidValue;  // the caller owns the zeroed counter
     QkvTensorMaps maps;
     FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
-    const int num_tiles = fwd_tiles<Traits::kBlockM>(p).num_tiles;
-    return launch_kernel(&flash_fwd_hopper_kernel<Traits, kIsCausal>, dim3(std::min(p.num_sms, num_tiles)),
-                         Traits::kNThreads, Traits::kSmemBytes, stream, p, maps);
+    const FwdTiles tiles = fwd_tiles<Traits::kBlockM>(p);
+    return launch_kernel(&flash_fwd_hopper_kernel<Traits, kIsCausal>, dim3(std::min(p.num_sms, tiles.num_tiles)),
+                         Traits::kNThreads, Traits::kSmemBytes, stream, p, maps, tiles);
 }
 
 // The Hopper kernel of HopperFwdConfig for this input: NonCausalTraits for a non-causal one where the config names

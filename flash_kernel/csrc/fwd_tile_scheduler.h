@@ -24,16 +24,22 @@
 
 namespace flash {
 
+// The launch computes these once (fast_div.h: so that finding a tile's coordinates costs a few multiplies on the
+// path between two tiles) and passes them to every block.
 struct FwdTiles {
     int n_blocks;   // query blocks per (batch, head)
     int m_first;    // blocks [0, m_first) of every head see no key (causal, Tq > Tk), else 0
     int num_tiles;  // (n_blocks - m_first) * h * b: the tiles with at least one key
     int num_empty;  // m_first * h * b
+    CausalOrder<FastDiv> causal;  // causal: the order of the n_blocks - m_first blocks that see a key
+    FastDiv blocks;               // non-causal: n_blocks
+    FastDiv heads;                // non-causal: h
+    FastDiv q_per_kv_head;        // h / h_k (GQA / MQA): query head i reads kv head i / h_h_k_ratio
 };
 
-// Host (the launch's grid) and device (every block) compute the same numbers.
+// Host: the launch's grid and the kernel's argument.
 template <int kBlockM>
-__host__ __device__ inline FwdTiles fwd_tiles(const FwdParams& p) {
+inline FwdTiles fwd_tiles(const FwdParams& p) {
     FwdTiles t;
     t.n_blocks = ceil_div(p.seqlen_q, kBlockM);
     // Query block m sees a key iff (m + 1) kBlockM + (Tk - Tq) > 0 (the causal bound of its last row); Tk >= 1
@@ -42,21 +48,26 @@ __host__ __device__ inline FwdTiles fwd_tiles(const FwdParams& p) {
     t.m_first = p.is_causal && hidden_rows > 0 ? hidden_rows / kBlockM : 0;
     t.num_tiles = (t.n_blocks - t.m_first) * p.h * p.b;
     t.num_empty = t.m_first * p.h * p.b;
+    t.causal = causal_order<FastDiv>(t.n_blocks - t.m_first, p.h, p.h * p.b, p.is_causal ? p.causal_group_heads : 1);
+    t.blocks = FastDiv(t.n_blocks);
+    t.heads = FastDiv(p.h);
+    t.q_per_kv_head = FastDiv(p.h_h_k_ratio);
     return t;
 }
 
-#ifdef __CUDACC__
 // The (query block, head, batch) of main tile `tile`.
 template <bool kIsCausal>
-__device__ __forceinline__ BlockCoord fwd_tile_coord(const FwdTiles& t, const FwdParams& p, int tile) {
+__host__ __device__ __forceinline__ BlockCoord fwd_tile_coord(const FwdTiles& t, int tile) {
     if constexpr (kIsCausal) {
-        BlockCoord c = causal_tile_coord(tile, t.n_blocks - t.m_first, p.h, p.h * p.b, p.causal_group_heads);
+        BlockCoord c = causal_tile_coord(tile, t.causal);
         c.block += t.m_first;
         return c;
     }
-    return {tile % t.n_blocks, tile / t.n_blocks % p.h, tile / (t.n_blocks * p.h)};
+    const uint32_t pair = t.blocks.div(tile), batch = t.heads.div(pair);  // pair: (batch, head), batch-major
+    return {static_cast<int>(tile - pair * t.blocks.d), static_cast<int>(pair - batch * t.heads.d), static_cast<int>(batch)};
 }
 
+#ifdef __CUDACC__
 // The (query block, head, batch) of empty tile `e` (blocks [0, m_first) of each head).
 __device__ __forceinline__ BlockCoord fwd_empty_tile_coord(const FwdTiles& t, const FwdParams& p, int e) {
     return {e % t.m_first, e / t.m_first % p.h, e / (t.m_first * p.h)};

@@ -1,0 +1,40 @@
+"""Shared test helpers: `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include
+kernel headers, so no GPU and no torch is needed) and runs it."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+CSRC = TESTS.parent / "flash_kernel" / "csrc"
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home) / "bin" / "nvcc"
+    return str(candidate) if candidate.is_file() else None
+
+
+@pytest.fixture
+def host_check(tmp_path):
+    """host_check("name_check.cu") -> the program's stdout lines, once it built and exited 0."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): it compiles the host check")
+
+    def run(source: str) -> list[str]:
+        exe = tmp_path / Path(source).stem
+        build = subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(TESTS / source), "-o", str(exe)],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr
+        result = subprocess.run([str(exe)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+        return result.stdout.splitlines()
+
+    return run

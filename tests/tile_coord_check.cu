@@ -1,0 +1,130 @@
+// Host-side check of the Hopper forward's tile arithmetic, compiled and run by tests/test_tile_coord.py:
+//   - FastDiv (flash_kernel/csrc/fast_div.h) against `/`: every divisor 1 .. 4096, and the powers of two and
+//     their neighbours up to 2^31 - 1, at dividends around multiples of the divisor up to 2^31 - 1;
+//   - fwd_tile_coord (fwd_tile_scheduler.h, on FastDiv) against the orders written out as loops: causal tiles go
+//     group by group, longest block first, the group's pairs in turn; non-causal tiles query block fastest. Every
+//     tile is checked, so the map is also a bijection onto the blocks that see a key.
+#include <cstdio>
+#include <vector>
+
+#include "fwd_tile_scheduler.h"
+
+using flash::BlockCoord;
+using flash::FastDiv;
+
+static int g_failures = 0;
+#define CHECK(cond, ...)                      \
+    do {                                      \
+        if (!(cond)) {                        \
+            if (g_failures++ < 10) {          \
+                std::printf("FAIL: ");        \
+                std::printf(__VA_ARGS__);     \
+                std::printf("\n");            \
+            }                                 \
+        }                                     \
+    } while (0)
+
+static void check_div(uint32_t d, uint32_t n) {
+    const FastDiv f(d);
+    CHECK(f.div(n) == n / d, "%u / %u: %u, not %u", n, d, f.div(n), n / d);
+}
+
+static void check_fast_div() {
+    const int before = g_failures;
+    constexpr uint32_t kMaxN = 0x7fffffffu;
+    std::vector<uint32_t> divisors;
+    for (uint32_t d = 1; d <= 4096; ++d) divisors.push_back(d);
+    for (int k = 12; k <= 31; ++k) {
+        const uint32_t p = uint32_t{1} << k;
+        for (uint32_t d : {p - 1, p, p + 1}) {
+            if (d <= kMaxN) divisors.push_back(d);
+        }
+    }
+    for (uint32_t d : divisors) {
+        for (uint32_t n = 0; n < 2048; ++n) check_div(d, n);
+        // Around multiples of d, where a quotient off by one would show; spread up to 2^31 - 1.
+        for (uint64_t q = 1; q * d <= kMaxN; q = q < 64 ? q + 1 : q * 2 + 1) {
+            for (int64_t e = -1; e <= 1; ++e) {
+                const int64_t n = static_cast<int64_t>(q * d) + e;
+                if (n >= 0 && n <= kMaxN) check_div(d, static_cast<uint32_t>(n));
+            }
+        }
+        check_div(d, kMaxN);
+        check_div(d, kMaxN - kMaxN % d);
+        if (kMaxN % d != 0) check_div(d, kMaxN - kMaxN % d - 1);
+    }
+    if (g_failures == before) std::printf("ok fast_div\n");
+}
+
+static flash::FwdParams params(int b, int h, int h_k, int tq, int tk, bool causal, int group) {
+    flash::FwdParams p{};
+    p.b = b;
+    p.h = h;
+    p.h_k = h_k;
+    p.h_h_k_ratio = h / h_k;
+    p.seqlen_q = tq;
+    p.seqlen_k = tk;
+    p.is_causal = causal;
+    p.causal_group_heads = group;
+    return p;
+}
+
+template <bool kIsCausal>
+static void check_order(const flash::FwdParams& p) {
+    constexpr int kBlockM = 128;
+    const flash::FwdTiles t = flash::fwd_tiles<kBlockM>(p);
+    const int n_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    const int m_first = kIsCausal && p.seqlen_q > p.seqlen_k ? (p.seqlen_q - p.seqlen_k) / kBlockM : 0;
+    CHECK(t.n_blocks == n_blocks && t.m_first == m_first, "n_blocks %d, m_first %d", t.n_blocks, t.m_first);
+    CHECK(t.num_tiles == (n_blocks - m_first) * p.h * p.b, "num_tiles %d", t.num_tiles);
+
+    std::vector<BlockCoord> want;  // tile i's coordinates, in launch order
+    const int pairs = p.h * p.b;
+    if (kIsCausal) {
+        for (int first = 0; first < pairs; first += p.causal_group_heads) {
+            const int last = first + p.causal_group_heads < pairs ? first + p.causal_group_heads : pairs;
+            for (int block = n_blocks - 1; block >= m_first; --block) {
+                for (int pair = first; pair < last; ++pair) want.push_back({block, pair % p.h, pair / p.h});
+            }
+        }
+    } else {
+        for (int pair = 0; pair < pairs; ++pair) {
+            for (int block = 0; block < n_blocks; ++block) want.push_back({block, pair % p.h, pair / p.h});
+        }
+    }
+    CHECK(static_cast<int>(want.size()) == t.num_tiles, "%zu tiles written out, num_tiles %d", want.size(), t.num_tiles);
+    for (int tile = 0; tile < t.num_tiles && tile < static_cast<int>(want.size()); ++tile) {
+        const BlockCoord c = flash::fwd_tile_coord<kIsCausal>(t, tile);
+        const BlockCoord w = want[tile];
+        CHECK(c.block == w.block && c.head == w.head && c.batch == w.batch,
+              "causal %d, b %d h %d tq %d tk %d group %d: tile %d -> (%d, %d, %d), not (%d, %d, %d)", kIsCausal, p.b,
+              p.h, p.seqlen_q, p.seqlen_k, p.causal_group_heads, tile, c.block, c.head, c.batch, w.block, w.head,
+              w.batch);
+    }
+    for (int head = 0; head < p.h; ++head) {
+        const int head_k = static_cast<int>(t.q_per_kv_head.div(head));
+        CHECK(head_k == head / p.h_h_k_ratio, "kv head of %d: %d", head, head_k);
+    }
+}
+
+int main() {
+    check_fast_div();
+    int before = g_failures;
+    for (int b : {1, 2, 5}) {
+        for (int h : {1, 3, 16}) {
+            for (int h_k : {1, h}) {
+                for (int tq : {1, 128, 129, 1000, 2048}) {
+                    for (int tk : {1, 300, 2048}) {
+                        for (int group : {1, 2, 3, 7, 16, b * h}) {
+                            if (group > b * h) continue;
+                            check_order<true>(params(b, h, h_k, tq, tk, true, group));
+                        }
+                        check_order<false>(params(b, h, h_k, tq, tk, false, 0));
+                    }
+                }
+            }
+        }
+    }
+    if (g_failures == before) std::printf("ok tile order\n");
+    return g_failures == 0 ? 0 : 1;
+}
