@@ -25,7 +25,8 @@ struct FastDiv {
     uint32_t shift = 0;  // l above
 
     FastDiv() = default;
-    // Built on the host, once per launch (a 64-bit division and a loop). d must be in [1, 2^31).
+    // d must be in [1, 2^31). A 64-bit division and a loop: the Hopper forward's launch builds its FastDivs on the host
+    // once (fwd_tiles); __device__ too only so that causal_order<Div> compiles for both dividers.
     __host__ __device__ explicit FastDiv(uint32_t divisor) : d(divisor) {
         while ((uint64_t{1} << shift) < d) ++shift;
         mul = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d) / d + 1);
