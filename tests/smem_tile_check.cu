@@ -5,21 +5,12 @@
 #include <cstdio>
 #include <set>
 
+#include "host_check.h"
 #include "smem_tile.h"
 
 using flash::SmemTile;
 
-static int g_failures = 0;
-#define CHECK(cond, ...)                            \
-    do {                                            \
-        if (!(cond)) {                              \
-            if (g_failures++ < 10) {                \
-                std::printf("FAIL %s: ", name);     \
-                std::printf(__VA_ARGS__);           \
-                std::printf("\n");                  \
-            }                                       \
-        }                                           \
-    } while (0)
+#define CHECK(cond, ...) HOST_CHECK(name, cond, __VA_ARGS__)
 
 template <typename Tile>
 void check(const char* name) {

@@ -8,21 +8,12 @@
 #include <vector>
 
 #include "fwd_tile_scheduler.h"
+#include "host_check.h"
 
 using flash::BlockCoord;
 using flash::FastDiv;
 
-static int g_failures = 0;
-#define CHECK(cond, ...)                      \
-    do {                                      \
-        if (!(cond)) {                        \
-            if (g_failures++ < 10) {          \
-                std::printf("FAIL: ");        \
-                std::printf(__VA_ARGS__);     \
-                std::printf("\n");            \
-            }                                 \
-        }                                     \
-    } while (0)
+#define CHECK(cond, ...) HOST_CHECK("tile_coord", cond, __VA_ARGS__)
 
 static void check_div(uint32_t d, uint32_t n) {
     const FastDiv f(d);
