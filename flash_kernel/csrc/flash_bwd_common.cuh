@@ -66,16 +66,18 @@ __device__ __forceinline__ RowThread row_thread() {
             static_cast<int>(blockIdx.z)};
 }
 
-// Alg. 2 line 10's L_i and D_i for the kBlockM query rows from row0, into shared memory by plain stores of
-// threads 0 .. kBlockM - 1: L pre-multiplied by log2e (P = exp2(S scale log2e - L log2e)); rows past Tq get
-// L = +inf (so P = 0) and D = 0.
+// Alg. 2 line 10's L_i and D_i for the kBlockM query rows from row0, into shared memory by 4-byte cp.async of
+// threads 0 .. kBlockM - 1 (the caller commits the group): no thread waits for the global loads before the barrier
+// that publishes the stage. L stays in natural-log units (readers compute P = exp2(S scale log2e - L log2e)). Rows
+// past Tq read as zeros: their Q_i and dO_i rows are zero-filled as well, so their P is finite and their dS and dV
+// contributions are zero.
 template <int kBlockM>
 __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, const float* lse, const float* delta, int row0,
                                                int seqlen_q, int tid) {
     if (tid < kBlockM) {
         const bool in = row0 + tid < seqlen_q;
-        s_lse[tid] = in ? lse[row0 + tid] * kLog2e : INFINITY;
-        s_delta[tid] = in ? delta[row0 + tid] : 0.f;
+        cp_async_4(smem_addr(s_lse + tid), in ? lse + row0 + tid : lse, in);
+        cp_async_4(smem_addr(s_delta + tid), in ? delta + row0 + tid : delta, in);
     }
 }
 

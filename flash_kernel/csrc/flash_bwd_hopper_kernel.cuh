@@ -111,19 +111,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __syncthreads();
 
     // Alg. 2 line 10: Q_i and dO_i by TMA (loader; rows past Tq come back as zeros), L_i and D_i by 4-byte
-    // cp.async (threads 0 .. kBlockM - 1; zeros past Tq: the zero Q_i and dO_i rows make those rows' dS and
-    // dV contributions zero whatever P is). Nothing waits for them until the next iteration's first barrier.
+    // cp.async (load_lse_delta, flash_bwd_common.cuh). Nothing waits for them until the next iteration's first
+    // barrier.
     auto load_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         if (loader) {
             tma_load_rows<kBlockM, kHeadDim>(sQ + stage * Traits::kSmemQBytes, &maps.q, row0, bidh, bidb, full_qdo(stage));
             tma_load_rows<kBlockM, kHeadDim>(sdO + stage * Traits::kSmemQBytes, &maps.dO, row0, bidh, bidb, full_qdo(stage));
         }
-        if (tid < kBlockM) {
-            const bool in = row0 + tid < seqlen_q;
-            cp_async_4(smem_addr(sLse + stage * kBlockM + tid), in ? lse + row0 + tid : lse, in);
-            cp_async_4(smem_addr(sDelta + stage * kBlockM + tid), in ? delta + row0 + tid : delta, in);
-        }
+        load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, tid);
         cp_async_commit();
     };
 

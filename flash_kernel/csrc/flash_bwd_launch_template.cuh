@@ -79,6 +79,8 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
             return cudaSuccess;
         }
     }
+    static_assert(BwdConfig<kHeadDim, Element>::Traits::kHeadDim == kHeadDim,
+                  "the sm80 kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
     FLASH_RETURN_IF_ERROR((launch_bwd_sm80_config<BwdConfig<kHeadDim, Element>>(params, stream)));
     bwd_convert_dq_kernel<Element, kHeadDim, false><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     FLASH_LAUNCH_CHECK();

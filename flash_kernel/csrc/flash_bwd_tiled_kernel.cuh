@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     Element* sdO = sQ + Traits::kNStages * Traits::kSmemQTileElems;    // [kDoStages][kBlockM][kHeadDim] as Tile
     Element* sdS = sdO + Traits::kDoStages * Traits::kSmemQTileElems;  // [kBlockN][kDsStride]: dS^T
     Element* sP = sdS + Traits::kSmemDsElems;                          // [kBlockN][kDsStride]: P^T (kPInSmem)
-    float* sLse = reinterpret_cast<float*>(sP + Traits::kSmemPElems);  // [kNStages][kBlockM], LSE * log2e
+    float* sLse = reinterpret_cast<float*>(sP + Traits::kSmemPElems);  // [kNStages][kBlockM]
     float* sDelta = sLse + Traits::kNStages * kBlockM;                 // [kNStages][kBlockM]
 
     const int bidh = blockIdx.y / Traits::kColSplits, bidb = blockIdx.z;
@@ -139,12 +139,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     const uint32_t q_bt_lane = Tile::index(bt_row, col0 + bt_col) * sizeof(Element);           // Q_i, dO_i as B^T
     const uint32_t dkv_bt_lane = Tile::index(bt_row, col0 + dkv_c0 + bt_col) * sizeof(Element);  // after the barrier
     const uint32_t dq_bt_lane = Tile::index(bt_row, col0 + dq_c0 + bt_col) * sizeof(Element);     // K_j as B^T
+    // This lane's first dQ element (row dq_q0 + g, column col0 + dq_c0 + 2t) in a query block's dq_accum rows, which
+    // are kHeadDim floats long (d_rounded: the launch dispatches on it), so every add is a constant offset from it.
+    const int dq_lane = (dq_q0 + g) * kHeadDim + col0 + dq_c0 + 2 * t;
 
     const int num_n_blocks = ceil_div(seqlen_k, kBlockN);
     const int m_block_max = ceil_div(seqlen_q, kBlockM);
 
-    // Alg. 2 line 10: Q_i, dO_i via cp.async; L_i (pre-multiplied by log2e) and D_i via plain stores.
-    // Rows past Tq get L = +inf (so P = 0) and D = 0.
+    // Alg. 2 line 10: Q_i, dO_i, L_i and D_i via cp.async (rows past Tq zero-filled: load_lse_delta).
     auto load_q = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         copy_tile_async_stepped<kBlockM, Tile, kNThreads>(
@@ -300,7 +302,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                 for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        p[mt][i][e] = fast_exp2(fmaf(p[mt][i][e], scale_log2, -sLse_st[sdp_q0 + i * kMmaN + 2 * t + (e & 1)]));
+                        p[mt][i][e] = fast_exp2(
+                            fmaf(p[mt][i][e], scale_log2, -kLog2e * sLse_st[sdp_q0 + i * kMmaN + 2 * t + (e & 1)]));
                     }
                 }
             }
@@ -430,34 +433,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                     }
                 }
             }
+            // Add dQ_i's tile into dq_accum. Columns at or past d get exact zeros (K_j's are zero-filled) in
+            // zeroed columns that the convert kernel never reads, so only rows past Tq are skipped. One uniform
+            // branch on the mode, not one per add: with per-add row, column and mode branches this tail took 22% of
+            // the warps' stall samples (docs/kernel_notes.md, "v26").
+            float* dq_rows = launder(dq_accum + static_cast<int64_t>(query0) * kHeadDim + dq_lane);
+            const int rows_left = seqlen_q - (query0 + dq_q0 + g);  // this lane's rows r < rows_left exist
+            auto add_dq = [&](auto add) {
 #pragma unroll
-            for (int mt = 0; mt < kDqMTiles; ++mt) {
+                for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int query = query0 + dq_q0 + mt * kMmaM + g + r * 8;
-                    if (query < seqlen_q) {
-                        float* dst_row = dq_accum + static_cast<int64_t>(query) * params.d_rounded;
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = mt * kMmaM + r * 8;
+                        if (row < rows_left) {
 #pragma unroll
-                        for (int i = 0; i < kDqNTiles; ++i) {
-                            const int col = col0 + dq_c0 + i * kMmaN + 2 * t;
-                            if (col < d) {
-                                float2* dst = reinterpret_cast<float2*>(dst_row + col);
-                                const float2 val = make_float2(dq[mt][i][2 * r], dq[mt][i][2 * r + 1]);
-                                if (params.deterministic) {
-                                    const float2 old = *dst;  // this block owns the split: ordered, no atomics
-                                    *dst = make_float2(old.x + val.x, old.y + val.y);
-                                } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                                    atomicAdd(dst, val);  // one 8-byte red.global.add.v2.f32 on sm90
-#else
-                                    atomicAdd(&dst->x, val.x);
-                                    atomicAdd(&dst->y, val.y);
-#endif
-                                }
+                            for (int i = 0; i < kDqNTiles; ++i) {
+                                add(dq_rows + row * kHeadDim + i * kMmaN,
+                                    make_float2(dq[mt][i][2 * r], dq[mt][i][2 * r + 1]));
                             }
                         }
                     }
                 }
+            };
+            if (params.deterministic) {
+                add_dq([](float* dst, float2 val) {  // this block owns the split: ordered, no atomics
+                    const float2 old = *reinterpret_cast<float2*>(dst);
+                    *reinterpret_cast<float2*>(dst) = make_float2(old.x + val.x, old.y + val.y);
+                });
+            } else {
+                add_dq(red_add_f32x2);
             }
         }
 
