@@ -307,9 +307,9 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("TFLOP/s per GPU (6N + 12LdT)")
     devices = ", ".join(sorted({r["device"] for r in pipe}))
     ax.set_title(f"End-to-end GPT training step (batch × T), bf16, latest run per case — {devices}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: inside, it covered bar labels
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
