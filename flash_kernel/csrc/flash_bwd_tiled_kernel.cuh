@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                 cp_async_commit();
             }
 
-            // This iteration's lane addresses (launder: smem_tile.h).
+            // This iteration's lane addresses (launder: utils.cuh).
             const uint32_t sQ_st = smem_addr(sQ) + stage * kQTileBytes, sdO_st = smem_addr(sdO) + do_stage * kQTileBytes;
             const uint32_t k_a = launder(sK_warp), v_a = launder(sV_warp), k_bt = launder(smem_addr(sK) + dq_bt_lane);
             const uint32_t q_b = launder(sQ_st + q_b_lane), do_b = launder(sdO_st + q_b_lane);

@@ -63,19 +63,4 @@ struct SmemTile {
     }
 };
 
-// An opaque copy of x, for the lane addresses that a main loop's ldmatrix walks start from, laundered at the top
-// of each iteration: without it the compiler finds the walks' addresses loop-invariant and keeps more of them in
-// registers across the loop (sm_90a, hd128 backward, non-causal: 16 B of spill without it, none with it).
-__device__ __forceinline__ uint32_t launder(uint32_t x) {
-    asm volatile("" : "+r"(x));
-    return x;
-}
-// The same for a global pointer: the sm80 backward's dQ rows of a query block, so that its adds address them as one
-// register pair plus immediate offsets, not as a dozen loop-invariant pointer pairs (sm_90a, hd64: 24 registers).
-template <typename T>
-__device__ __forceinline__ T* launder(T* p) {
-    asm volatile("" : "+l"(p));
-    return p;
-}
-
 }  // namespace flash

@@ -22,6 +22,22 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// Compiler barriers: launder(x) is x, made opaque, so that a loop recomputes what derives from it rather than keeping
+// it live. For the shared-memory lane addresses that a main loop's ldmatrix walks start from, laundered at the top of
+// each iteration: without it the compiler finds the walks' addresses loop-invariant and keeps more of them in
+// registers across the loop (sm_90a, hd128 backward, non-causal: 16 B of spill without it, none with it).
+__device__ __forceinline__ uint32_t launder(uint32_t x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+// The same for a global pointer: the sm80 backward's dQ rows of a query block, so that its adds address them as one
+// register pair plus immediate offsets, not as a dozen loop-invariant pointer pairs (sm_90a, hd64: 24 registers).
+template <typename T>
+__device__ __forceinline__ T* launder(T* p) {
+    asm volatile("" : "+l"(p));
+    return p;
+}
+
 // The dynamic shared-memory base rounded up to kAlign bytes (SmemTile::kAlign; the Hopper kernels' swizzle atom).
 template <int kAlign>
 __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem_raw) {
