@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     constexpr int kNTilesM = kSdpQCols / kMmaN;  // n8 tiles of S^T / dP^T per warp (queries)
     constexpr bool kPInSmem = Traits::kSdpWarpsQ > 1;
     constexpr bool kDkFromSmem = Traits::kDkFromSmem;
+    constexpr bool kAddrInAsm = Traits::kLdsmAddrInAsm;  // ldmatrix_tile (utils.cuh)
     // dK (kDkFromSmem) and dV (kPInSmem) computed after the barrier: kDkvKTiles key m16 tiles x kDkvCols.
     constexpr int kDkvWarpsK = kNWarps / Traits::kDkvWarpsD;
     constexpr int kDkvKTiles = kBlockN / (kMmaM * kDkvWarpsK);
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
             for (int dp = 0; dp < kDkvNTiles / 2; ++dp) {
                 uint32_t b[4];
-                ldmatrix_tile<Tile, true>(b, y_at, kk * kMmaK, dp * 16);
+                ldmatrix_tile<Tile, true, kAddrInAsm>(b, y_at, kk * kMmaK, dp * 16);
 #pragma unroll
                 for (int mt = 0; mt < kDkvKTiles; ++mt) {
                     Mma<Element>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
@@ -265,11 +266,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             for (int kk = 0; kk < kKStepsD; ++kk) {
                 uint32_t a[kSdpKTiles][4];
 #pragma unroll
-                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_tile<Tile>(a[mt], k_a, mt * kMmaM, kk * kMmaK);
+                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_tile<Tile, false, kAddrInAsm>(a[mt], k_a, mt * kMmaM, kk * kMmaK);
 #pragma unroll
                 for (int np = 0; np < kNTilesM / 2; ++np) {
                     uint32_t b[4];
-                    ldmatrix_tile<Tile>(b, q_b, np * 16, kk * kMmaK);
+                    ldmatrix_tile<Tile, false, kAddrInAsm>(b, q_b, np * 16, kk * kMmaK);
 #pragma unroll
                     for (int mt = 0; mt < kSdpKTiles; ++mt) {
                         Mma<Element>::run(p[mt][2 * np], a[mt], b[0], b[1]);
@@ -320,7 +321,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
                     for (int dp = 0; dp < kNTilesD / 2; ++dp) {
                         uint32_t b[4];
-                        ldmatrix_tile<Tile, true>(b, do_bt, kk * kMmaK, dp * 16);
+                        ldmatrix_tile<Tile, true, kAddrInAsm>(b, do_bt, kk * kMmaK, dp * 16);
                         Mma<Element>::run(acc_dv[0][2 * dp], a, b[0], b[1]);
                         Mma<Element>::run(acc_dv[0][2 * dp + 1], a, b[2], b[3]);
                     }
@@ -337,11 +338,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             for (int kk = 0; kk < kKStepsD; ++kk) {
                 uint32_t a[kSdpKTiles][4];
 #pragma unroll
-                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_tile<Tile>(a[mt], v_a, mt * kMmaM, kk * kMmaK);
+                for (int mt = 0; mt < kSdpKTiles; ++mt) ldmatrix_tile<Tile, false, kAddrInAsm>(a[mt], v_a, mt * kMmaM, kk * kMmaK);
 #pragma unroll
                 for (int np = 0; np < kNTilesM / 2; ++np) {
                     uint32_t b[4];
-                    ldmatrix_tile<Tile>(b, do_b, np * 16, kk * kMmaK);
+                    ldmatrix_tile<Tile, false, kAddrInAsm>(b, do_b, np * 16, kk * kMmaK);
 #pragma unroll
                     for (int mt = 0; mt < kSdpKTiles; ++mt) {
                         Mma<Element>::run(ds[mt][2 * np], a[mt], b[0], b[1]);
@@ -381,7 +382,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
                     for (int dp = 0; dp < kNTilesD / 2; ++dp) {
                         uint32_t b[4];
-                        ldmatrix_tile<Tile, true>(b, q_bt, kk * kMmaK, dp * 16);
+                        ldmatrix_tile<Tile, true, kAddrInAsm>(b, q_bt, kk * kMmaK, dp * 16);
                         Mma<Element>::run(acc_dk[0][2 * dp], a, b[0], b[1]);
                         Mma<Element>::run(acc_dk[0][2 * dp + 1], a, b[2], b[3]);
                     }
@@ -403,10 +404,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                 if (it + 1 < order.n) load_do(order(it + 1), 0);
                 cp_async_commit();
             }
-            if constexpr (kDkFromSmem) {
-                // Alg. 2 line 17: dK_j += dS^T Q_i, this warp's (keys x columns) tile.
-                mma_xt_y(acc_dk, sdS, launder(sQ_st + dkv_bt_lane));
-            }
+            // Alg. 2 line 17: dK_j += dS^T Q_i, this warp's (keys x columns) tile; here or after dQ_i's adds (kDqFirst).
+            // Generic, so that configs without kDkFromSmem never instantiate it.
+            auto dk_from_smem = [&](auto& acc) { mma_xt_y(acc, sdS, launder(sQ_st + dkv_bt_lane)); };
+            if constexpr (kDkFromSmem && !Traits::kDqFirst) dk_from_smem(acc_dk);
 
             // Alg. 2 line 16: dQ_i += dS K_j, this warp's (16 kDqMTiles queries x kDqCols) tile.
             float dq[kDqMTiles][kDqNTiles][4];
@@ -425,7 +426,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
 #pragma unroll
                 for (int dp = 0; dp < kDqNTiles / 2; ++dp) {
                     uint32_t b[4];
-                    ldmatrix_tile<Tile, true>(b, k_bt, kk * kMmaK, dp * 16);
+                    ldmatrix_tile<Tile, true, kAddrInAsm>(b, k_bt, kk * kMmaK, dp * 16);
 #pragma unroll
                     for (int mt = 0; mt < kDqMTiles; ++mt) {
                         Mma<Element>::run(dq[mt][2 * dp], a[mt], b[0], b[1]);
@@ -463,6 +464,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             } else {
                 add_dq(red_add_f32x2);
             }
+            if constexpr (kDkFromSmem && Traits::kDqFirst) dk_from_smem(acc_dk);
         }
 
         // Alg. 2 line 19: stage dK_j (scaled) and dV_j through this block's K/V tiles (columns [0, kOutCols)),

@@ -130,6 +130,8 @@ struct BwdVariantTraits : Base {
     static constexpr int kDkvWarpsD = kDkvWarpsD_;    // dK/dV from shared memory: warps along head-dim columns
     static constexpr int kDoStages = kDoStages_;      // dO tiles in shared memory
     static constexpr int kDqWarpsM = kDqWarpsM_;
+    static constexpr bool kDqFirst = false;       // dQ_i (and its adds) before dK_j (BwdDqFirstTraits)
+    static constexpr bool kLdsmAddrInAsm = true;  // ldmatrix_tile's kAddrInAsm for the swizzled tiles
     static constexpr int kDqWarpsN = Base::kNWarps / kDqWarpsM;
     static constexpr int kDqCols = Base::kOutCols / kDqWarpsN;
     static constexpr int kSmemPElems = kSdpWarpsQ > 1 ? Base::kSmemDsElems : 0;  // P^T tile
@@ -153,6 +155,18 @@ struct BwdVariantTraits : Base {
     static_assert(kDoStages == 1 || kDoStages == 2, "dO is single or double buffered");
     // A config's Traits may need Hopper's shared memory if it names SmallSmemTraits that fit A100's (BwdConfig).
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
+};
+
+// The same backward with FA2's order at the end of a query block: dQ_i = dS K_j and its adds into dq_accum, then
+// dK_j += dS^T Q_i, so the adds leave while dK's matmuls run; and the swizzled tiles' ldmatrix addresses as plain code
+// (ldmatrix_tile), one XOR per k-step instead of two instructions per load. Measured as one change (H100, sm80
+// backward; docs/kernel_notes.md, "v27"): hd64 +1% non-causal and +2-3% causal, hd128 -3% non-causal. Either half
+// alone lost at hd64 non-causal (dQ first -2%, plain addresses -1%).
+template <typename Base>
+struct BwdDqFirstTraits : Base {
+    static_assert(Base::kDkFromSmem, "dK must come from dS^T in shared memory to move after dQ");
+    static constexpr bool kDqFirst = true;
+    static constexpr bool kLdsmAddrInAsm = false;
 };
 
 // Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
@@ -207,9 +221,9 @@ template <typename E> struct BwdConfig<32, E>  {
 };
 //   hd 64: Br 128; S^T/dP^T 32 keys x 64 queries, dK/dV 32 keys x 32 cols, dQ 32 queries x 32 cols. FA2
 //   splits S^T 2 x 4 (64 keys x 32 queries): the same ldmatrix count, but 20-36 B of spill on both archs
-//   here, against 16-28 B on sm_90 only for 4 x 2.
+//   here, against 16-28 B on sm_90 only for 4 x 2. dQ before dK (BwdDqFirstTraits).
 template <typename E> struct BwdConfig<64, E>  {
-    using Traits = BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>;
+    using Traits = BwdDqFirstTraits<BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>>;
     using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<64, 64, 8, 1, E>, 2, 4, true, 2, 1>;  // Br 64
 };
 //   hd 96: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 48 cols, dQ 16 queries x 48 cols.

@@ -44,13 +44,15 @@ struct SmemTile {
         }
     }
 
-    // The address of (row + dr, col + dc) is step(at, dr, dc) = (at + step_add(dr, dc)) ^ step_xor(dc), `at` the
+    // The address of (row + dr, col + dc) is step(at, dr, dc) = (at ^ step_xor(dc)) + step_add(dr, dc), `at` the
     // address of (row, col), for the kernels' ldmatrix walks: dr a multiple of 8 (the row's swizzle stays) and dc
     // a multiple of 8 whose chunk bits (dc / 8) are disjoint from col / 8's, i.e. col / 8 + dc / 8 ==
     // col / 8 ^ dc / 8 (col a lane's 0 or 8 plus a warp's power-of-two offset, dc a k16 step below that offset).
     // Then the chunk of col + dc is the one of col XOR dc / 8: in its low 3 bits an XOR (0, 32, 64 or 96 bytes
-    // for k16 steps), above them an addition, which with dr's is a multiple of 128 and leaves those bits alone.
-    // The padded layout adds both. ldmatrix_tile (utils.cuh) computes the same inside its asm.
+    // for k16 steps), above them an addition, which with dr's is a multiple of 128 and leaves those bits alone,
+    // so the XOR may come first: one XOR per k-step serves every row offset of a walk, which the compiler then
+    // folds into the ldmatrix's immediate. The padded layout adds both. ldmatrix_tile (utils.cuh) computes step()
+    // as plain code or, for some backward configs, inside its asm.
     __host__ __device__ static constexpr uint32_t step_add(int dr, int dc) {
         return kSwizzled ? static_cast<uint32_t>(dr * kRowBytes) + (static_cast<uint32_t>(dc * 2) & ~127u)
                          : static_cast<uint32_t>((dr * kStride + dc) * 2);
@@ -59,7 +61,7 @@ struct SmemTile {
         return kSwizzled ? static_cast<uint32_t>(dc * 2) & 127u : 0u;
     }
     __host__ __device__ static constexpr uint32_t step(uint32_t at, int dr, int dc) {
-        return (at + step_add(dr, dc)) ^ step_xor(dc);
+        return (at ^ step_xor(dc)) + step_add(dr, dc);
     }
 };
 

@@ -46,7 +46,9 @@ __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem_raw) {
 }
 
 // 16-byte async copy; when pred is false nothing is read and the 16 destination bytes are zeroed
-// (src-size 0), which is how rows past the sequence end and head-dim columns past d become zeros.
+// (src-size 0), which is how rows past the sequence end and head-dim columns past d become zeros. gmem_src is
+// then never dereferenced, so callers pass the out-of-range address as it is (as CUTLASS's zero-fill copy does)
+// instead of selecting a valid one: until v27 the tile copies spent a SEL per chunk on that.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool pred) {
     const int src_bytes = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
@@ -82,9 +84,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "r"(addr));
 }
 
-// ldmatrix.x4 (kTrans: .trans) at (addr + add) ^ x, the add and the XOR inside the asm statement: as plain code
-// the compiler keeps the XORed addresses of a loop's ldmatrix walk in registers instead of recomputing them
-// (sm_90a, hd128 backward: 20 B of spill instead of none).
+// ldmatrix.x4 (kTrans: .trans) at (addr + add) ^ x, the add and the XOR inside the asm statement, so that the
+// compiler can neither hoist nor share the XORed addresses of a loop's ldmatrix walk: it recomputes them for every
+// load (two instructions each), but keeps none of them live (sm_90a, hd128 backward: as plain code, 20 B of spill
+// when this was written in v20).
 template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4_xor(uint32_t (&r)[4], uint32_t addr, uint32_t add, uint32_t x) {
     if constexpr (kTrans) {
@@ -100,10 +103,15 @@ __device__ __forceinline__ void ldmatrix_x4_xor(uint32_t (&r)[4], uint32_t addr,
     }
 }
 
-// ldmatrix.x4 (kTrans: .trans) of the 8x8 matrices at Tile::step(at, dr, dc) (smem_tile.h).
-template <typename Tile, bool kTrans = false>
+// ldmatrix.x4 (kTrans: .trans) of the 8x8 matrices at Tile::step(at, dr, dc) (smem_tile.h). As plain code the
+// compiler computes a walk's XOR once per k-step and puts the row offsets in the instruction's immediate: the
+// hd128 forward's main loop has 9-11% fewer instructions and ran 4-8% faster in its A/B (docs/kernel_notes.md, "v27").
+// kAddrInAsm (swizzled tiles) computes every address inside the asm instead (ldmatrix_x4_xor), with fewer registers
+// live: the backwards other than hd64's keep it (BwdVariantTraits::kLdsmAddrInAsm); hd128's measured 0-3% slower
+// with plain addresses.
+template <typename Tile, bool kTrans = false, bool kAddrInAsm = false>
 __device__ __forceinline__ void ldmatrix_tile(uint32_t (&r)[4], uint32_t at, int dr, int dc) {
-    if constexpr (Tile::kSwizzled) {
+    if constexpr (Tile::kSwizzled && kAddrInAsm) {
         ldmatrix_x4_xor<kTrans>(r, at, Tile::step_add(dr, dc), Tile::step_xor(dc));
     } else if constexpr (kTrans) {
         ldmatrix_x4_trans(r, Tile::step(at, dr, dc));
@@ -207,8 +215,7 @@ __device__ __forceinline__ void copy_tile_async(Element* smem, const Element* gm
             const int row = c / kChunksPerRow;
             const int col = (c % kChunksPerRow) * 8;
             const bool pred = row < valid_rows && col < d;
-            const Element* src = pred ? gmem + row * row_stride + col : gmem;
-            cp_async_16(smem_addr(smem + Tile::index(row, col)), src, pred);
+            cp_async_16(smem_addr(smem + Tile::index(row, col)), gmem + row * row_stride + col, pred);
         }
     }
 }
@@ -239,7 +246,7 @@ __device__ __forceinline__ void copy_tile_async_stepped(Element* smem, const Ele
             // A step of a multiple of 8 rows keeps the row's swizzle (SmemTile::step).
             const uint32_t dst_step = kRowsPerStep % 8 == 0 ? Tile::step(dst, step * kRowsPerStep, 0)
                                                             : smem_addr(smem + Tile::index(row, col));
-            cp_async_16(dst_step, pred ? src : gmem, pred);
+            cp_async_16(dst_step, src, pred);
         }
         src += kRowsPerStep * row_stride;
     }
