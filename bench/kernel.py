@@ -8,16 +8,23 @@ mode so the forward is the training forward (it saves what the backward needs).
 
 Methods: naive (matmul + mask + softmax + matmul), SDPA default dispatch, SDPA forced to each backend
 (FLASH = FA2, CUDNN, EFFICIENT = mem-efficient), and ours (flash_kernel; skipped, with a note, when not
-built). Each runs in its native layout: (B, H, T, D) for PyTorch, (B, T, H, D) for ours. OOM is recorded
-as "OOM", a backend that refuses the shape as "n/a".
+built). `--inputs` picks what they read:
+  native  each method its own layout: (B, H, T, D) tensors for PyTorch, (B, T, H, D) for ours (the default);
+  bthd    every method the same (B, T, H, D) tensors, PyTorch's through (B, H, T, D) views of them: what the
+          GPT's qkv projection produces and passes to either attention, and what the FA2 paper's benchmark
+          gives FlashAttention. The two can differ: FA2's backward ran up to 13% faster on these
+          (docs/kernel_notes.md, "v27").
+OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
 
     python bench/kernel.py                                   # everything (~10 min on an H100)
     python bench/kernel.py --hdims 128 --causal 1 --methods sdpa_flash ours   # one part
     python bench/kernel.py --plot-only                       # redraw table + figure from the JSON
+    python bench/kernel.py --inputs bthd --methods ours_sm80 sdpa_flash   # the same tensors for both
 
-Parts merge into bench/results/kernel.json (one entry per device, method, hd, causal, T, mode), so a
+Parts merge into bench/results/kernel.json (one entry per device, inputs, method, hd, causal, T, mode), so a
 benchmark can be run in pieces that each fit a short GPU allocation. The figure goes to
-bench/results/kernel_<device>.png (rows: fwd+bwd, fwd, bwd; one panel per hd x causal).
+bench/results/kernel_<device>.png, or kernel_<device>_bthd.png for --inputs bthd (rows: fwd+bwd, fwd, bwd;
+one panel per hd x causal).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ LABELS = {
     "ours": "ours (flash_kernel)",
     "ours_sm80": "ours, sm80 kernels",
 }
+INPUTS = ["native", "bthd"]  # --inputs (module docstring); rows without the field are "native"
 OURS = ("ours", "ours_sm80")  # ours_sm80: FLASH_KERNEL_FWD=FLASH_KERNEL_BWD=sm80, the mma.sync kernels a Hopper GPU can also run
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
@@ -99,26 +107,37 @@ def _sdpa_backend(method: str):
     }[method]
 
 
-def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, dtype):
-    """Inputs in the method's native layout (requires_grad), a closure computing o, and a factory of the context
-    to run it in (a factory: sdpa_kernel's context manager is single-use)."""
+def inputs_of(kind: str, method: str, batch: int, heads: int, seqlen: int, head_dim: int, dtype, device=DEVICE):
+    """(q, k, v, do) as the method reads them, and the leaves (q, k, v storage, requires_grad) whose .grad the
+    backward fills: the same tensors unless PyTorch reads (B, H, T, D) views of (B, T, H, D) storage (bthd)."""
+    stored_bthd = kind == "bthd" or method in OURS
+    shape = (batch, seqlen, heads, head_dim) if stored_bthd else (batch, heads, seqlen, head_dim)
+    leaves = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    do = torch.randn(shape, device=device, dtype=dtype)
+    if method in OURS or not stored_bthd:
+        return (*leaves, do), leaves
+    return tuple(x.transpose(1, 2) for x in (*leaves, do)), leaves
+
+
+def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, dtype, inputs="native"):
+    """The leaves (q, k, v as stored, requires_grad) and dO as o is shaped, a closure computing o, and a factory of
+    the context to run it in (a factory: sdpa_kernel's context manager is single-use). inputs: INPUTS."""
     import torch.nn.functional as F
 
-    device = DEVICE
+    if inputs not in INPUTS:
+        raise ValueError(f"unknown inputs {inputs!r}; choose from {INPUTS}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if method in OURS:
         import flash_kernel
 
         if not flash_kernel.is_available():
             raise BackendUnsupported(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
-        shape = (batch, seqlen, heads, head_dim)  # (B, T, H, D)
-    else:
-        shape = (batch, heads, seqlen, head_dim)  # (B, H, T, D)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    do = torch.randn(shape, device=device, dtype=dtype)
+    (q, k, v, do), leaves = inputs_of(inputs, method, batch, heads, seqlen, head_dim, dtype)
     context = contextlib.nullcontext
     if method == "naive":
         # A constant buffer, as nanoGPT registers its causal mask: built once, not timed.
-        mask = torch.ones(seqlen, seqlen, device=device, dtype=torch.bool).triu(1) if causal else None
+        mask = torch.ones(seqlen, seqlen, device=DEVICE, dtype=torch.bool).triu(1) if causal else None
         fn = lambda: _naive(q, k, v, causal, mask)  # noqa: E731
     elif method == "sdpa":
         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
@@ -133,9 +152,7 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
         if method == "ours_sm80":  # the kernel binding reads FLASH_KERNEL_FWD / _BWD at every call
             context = lambda: mock.patch.dict(os.environ, {"FLASH_KERNEL_FWD": "sm80", "FLASH_KERNEL_BWD": "sm80"})  # noqa: E731
-    else:
-        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    return (q, k, v, do), fn, context
+    return (*leaves, do), fn, context
 
 
 def kernel_names(head_dim: int) -> dict:
@@ -230,11 +247,11 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                 batch, heads = shape_for(seqlen, head_dim)
                 for method in args.methods:
                     base = {
-                        "device": device, "method": method, "hd": head_dim, "causal": causal, "seqlen": seqlen,
-                        "batch": batch, "heads": heads, "dtype": "bf16",
+                        "device": device, "inputs": args.inputs, "method": method, "hd": head_dim, "causal": causal,
+                        "seqlen": seqlen, "batch": batch, "heads": heads, "dtype": "bf16",
                     }  # fmt: skip
                     try:
-                        tensors, fn, context = make_method(method, batch, heads, seqlen, head_dim, causal, dtype)
+                        tensors, fn, context = make_method(method, batch, heads, seqlen, head_dim, causal, dtype, args.inputs)
                     except BackendUnsupported as e:
                         print(f"skip {method}: {e}")
                         continue
@@ -271,12 +288,16 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
 
 
 # ------------------------------------------------------------------------------------------ results file
+def inputs_kind(row: dict) -> str:
+    return row.get("inputs", "native")  # rows from before --inputs existed
+
+
 def result_key(row: dict) -> tuple:
-    return (row["device"], row["method"], row["hd"], bool(row["causal"]), row["seqlen"], row["mode"])
+    return (row["device"], inputs_kind(row), row["method"], row["hd"], bool(row["causal"]), row["seqlen"], row["mode"])
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
-    """new replaces old entries with the same (device, method, hd, causal, T, mode); everything else is kept."""
+    """new replaces old entries with the same (device, inputs, method, hd, causal, T, mode); the rest is kept."""
     merged = {result_key(r): r for r in old}
     merged.update({result_key(r): r for r in new})
     return sorted(merged.values(), key=lambda r: (r["device"], r["hd"], r["causal"], r["mode"], r["seqlen"], METHODS.index(r["method"]) if r["method"] in METHODS else 99))
@@ -329,13 +350,17 @@ def _ratio(a: dict | None, b: dict | None) -> str:
     return f"{a['tflops'] / b['tflops']:.2f}"
 
 
-def format_table(results: list[dict], device: str) -> str:
+def _inputs_title(inputs: str) -> str:
+    return "" if inputs == "native" else ", every method on the same (B, T, H, D) tensors"
+
+
+def format_table(results: list[dict], device: str, inputs: str = "native") -> str:
     """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH, ours / SDPA-default and
     ours / cuDNN ratios (issue 5: stage 1 is FA2 parity, stage 2 cuDNN parity on Hopper)."""
-    rows = [r for r in results if r["device"] == device]
+    rows = [r for r in results if r["device"] == device and inputs_kind(r) == inputs]
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd)"]
+    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs)})"]
     for mode in MODES:
         for head_dim in sorted({r["hd"] for r in rows}):
             for causal in (False, True):
@@ -354,14 +379,14 @@ def format_table(results: list[dict], device: str) -> str:
     return "\n".join(out)
 
 
-def plot(results: list[dict], device: str, path: Path) -> Path:
+def plot(results: list[dict], device: str, path: Path, inputs: str = "native") -> Path:
     """FA2 Figure 5 layout: grouped bars of TFLOP/s vs T per method; rows fwd+bwd / fwd / bwd, columns hd x causal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results if r["device"] == device]
+    rows = [r for r in results if r["device"] == device and inputs_kind(r) == inputs]
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     modes = [m for m in ("fwd_bwd", "fwd", "bwd") if any(r["mode"] == m for r in rows)]
     panels = [(hd, c) for hd in sorted({r["hd"] for r in rows}) for c in (False, True) if any(r["hd"] == hd and bool(r["causal"]) == c for r in rows)]
@@ -396,7 +421,7 @@ def plot(results: list[dict], device: str, path: Path) -> Path:
     handles = [Patch(color=colors(mi), label=LABELS[m]) for mi, m in enumerate(methods)]
     # Title, then legend, then panels, each in its own band (heights in inches, converted to figure fractions).
     height = fig.get_figheight()
-    fig.suptitle(f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd)", y=1 - 0.05 / height, va="top")
+    fig.suptitle(f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs)})", y=1 - 0.05 / height, va="top")
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(handles), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -415,6 +440,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--inputs", choices=INPUTS, default="native", help="each method's own layout, or the same (B, T, H, D) tensors for all")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the parts merge into")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the table and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
@@ -423,15 +449,19 @@ def parse_args(argv=None):
     return args
 
 
-def report(data: dict, devices: list[str], results_path: Path) -> None:
+def report(data: dict, devices: list[str], results_path: Path, inputs: str = "native") -> None:
+    suffix = "" if inputs == "native" else f"_{inputs}"
     for device in devices:
+        if not any(r["device"] == device and inputs_kind(r) == inputs for r in data["results"]):
+            print(f"\n{device}: no results with --inputs {inputs}")
+            continue
         if can_plot("bench/kernel.py"):
-            png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}.png")
+            png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}{suffix}.png", inputs)
             print(f"\nfigure: {png}")
         env = data.get("environment", {}).get(device, {})
         if env:
             print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
-        print(format_table(data["results"], device))
+        print(format_table(data["results"], device, inputs))
 
 
 def main(argv=None) -> int:
@@ -441,7 +471,7 @@ def main(argv=None) -> int:
         if not data["results"]:
             sys.exit(f"bench/kernel.py --plot-only: no results in {args.results}")
         devices = [args.device] if args.device else sorted({r["device"] for r in data["results"]})
-        report(data, devices, args.results)
+        report(data, devices, args.results, args.inputs)
         return 0
     if not torch.cuda.is_available():
         sys.exit(
@@ -466,7 +496,7 @@ def main(argv=None) -> int:
 
     new = benchmark(args, device, save_progress)
     print(f"\n{len(new)} results merged into {args.results}")
-    report(data, [device], args.results)
+    report(data, [device], args.results, args.inputs)
     return 0
 
 

@@ -96,3 +96,38 @@ def test_refuses_to_benchmark_on_cpu(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--results", str(tmp_path / "kernel.json")])
     assert not (tmp_path / "kernel.json").exists()
+
+
+@pytest.mark.parametrize("method", ["sdpa_flash", "naive", "ours_sm80"])
+def test_inputs_native_and_bthd(method):
+    B, H, T, D = 2, 3, 5, 8
+    # native: each method's own contiguous layout, read directly
+    (q, k, v, do), leaves = bench.inputs_of("native", method, B, H, T, D, torch.float32, device="cpu")
+    want = (B, T, H, D) if method in bench.OURS else (B, H, T, D)
+    assert q.shape == do.shape == want and q is leaves[0] and q.is_contiguous()
+    # bthd: every method reads the same (B, T, H, D) storage; PyTorch's methods through (B, H, T, D) views of it
+    (q, k, v, do), leaves = bench.inputs_of("bthd", method, B, H, T, D, torch.float32, device="cpu")
+    assert all(x.shape == (B, T, H, D) and x.is_contiguous() and x.requires_grad for x in leaves)
+    if method in bench.OURS:
+        assert q is leaves[0] and do.shape == (B, T, H, D)
+    else:
+        assert q.shape == do.shape == (B, H, T, D) and not q.is_contiguous()
+        assert q.data_ptr() == leaves[0].data_ptr() and torch.equal(q, leaves[0].transpose(1, 2))
+        q.sum().backward()  # the view's gradient lands in the stored tensor's layout
+        assert leaves[0].grad.shape == (B, T, H, D)
+
+
+def test_inputs_kinds_merge_and_report_apart(tmp_path, capsys):
+    native = _row("ours", 150.0)  # rows from before --inputs have no field: native
+    bthd = dict(_row("ours", 120.0), inputs="bthd")
+    merged = bench.merge([native], [bthd, dict(_row("sdpa_flash", 300.0), inputs="bthd")])
+    assert len(merged) == 3 and {bench.inputs_kind(r) for r in merged} == {"native", "bthd"}
+    assert "150" in bench.format_table(merged, DEVICE) and "120" not in bench.format_table(merged, DEVICE)
+    table = bench.format_table(merged, DEVICE, "bthd")
+    assert "same (B, T, H, D) tensors" in table and "| 2048 | 300 | 120 |" in table and "0.40" in table
+    path = tmp_path / "kernel.json"
+    bench.save(path, {"environment": {}, "results": merged})
+    assert bench.main(["--plot-only", "--results", str(path), "--inputs", "bthd"]) == 0
+    assert (tmp_path / "kernel_nvidia_fake_gpu_bthd.png").exists() and not (tmp_path / "kernel_nvidia_fake_gpu.png").exists()
+    with pytest.raises(ValueError, match="unknown inputs"):
+        bench.make_method("sdpa", 1, 1, 8, 8, False, torch.float32, inputs="bhtd")
