@@ -12,8 +12,8 @@ built). `--inputs` picks what they read:
   native  each method its own layout: (B, H, T, D) tensors for PyTorch, (B, T, H, D) for ours (the default);
   bthd    every method the same (B, T, H, D) tensors, PyTorch's through (B, H, T, D) views of them: what the
           GPT's qkv projection produces and passes to either attention, and what the FA2 paper's benchmark
-          gives FlashAttention. The two can differ: FA2's backward ran up to 13% faster on these
-          (docs/kernel_notes.md, "v27").
+          gives FlashAttention. The two differ: on the H100, FA2's backward ran 0-31% faster on these, most at
+          short T (docs/kernel_notes.md, "v27").
 OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
 
     python bench/kernel.py                                   # everything (~10 min on an H100)
