@@ -76,8 +76,8 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
                                                int seqlen_q, int tid) {
     if (tid < kBlockM) {
         const bool in = row0 + tid < seqlen_q;
-        cp_async_4(smem_addr(s_lse + tid), in ? lse + row0 + tid : lse, in);
-        cp_async_4(smem_addr(s_delta + tid), in ? delta + row0 + tid : delta, in);
+        cp_async_4(smem_addr(s_lse + tid), lse + row0 + tid, in);
+        cp_async_4(smem_addr(s_delta + tid), delta + row0 + tid, in);
     }
 }
 

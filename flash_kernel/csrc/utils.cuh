@@ -48,7 +48,7 @@ __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem_raw) {
 // 16-byte async copy; when pred is false nothing is read and the 16 destination bytes are zeroed
 // (src-size 0), which is how rows past the sequence end and head-dim columns past d become zeros. gmem_src is
 // then never dereferenced, so callers pass the out-of-range address as it is (as CUTLASS's zero-fill copy does)
-// instead of selecting a valid one: until v27 the tile copies spent a SEL per chunk on that.
+// instead of selecting a valid one: until v27 the tile copies spent a SEL per chunk on that. cp_async_4 likewise.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool pred) {
     const int src_bytes = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
