@@ -1,7 +1,7 @@
 // Host-side check of flash_kernel/csrc/smem_tile.h, compiled and run by tests/test_smem_tile.py: for each layout,
 // every element has its own slot inside its row; ldmatrix's 8 rows are free of bank conflicts; a warp's 512-byte
 // cp.async request fills whole 128-byte lines (swizzled); SmemTile::step lands where index() says, over the walks
-// the kernels make.
+// the kernels make. And the same for the backward's dQ staging tile (DqStageTile) and its accesses.
 #include <cstdio>
 #include <set>
 
@@ -74,6 +74,64 @@ void check(const char* name) {
     if (g_failures == before) std::printf("ok %s\n", name);
 }
 
+// The backward's dQ staging tile (16 x kCols fp32 per warp): every element its own slot in its row; the C fragments'
+// 8-byte stores (lane g * 4 + t writes row g + 8 r, column 8 i + 2 t) free of bank conflicts per half-warp, the
+// 16-byte row reads (lane l reads row l / 8, chunk l % 8, 4 rows per read) per quarter-warp; step() equal to index().
+template <int kCols>
+void check_dq_stage(const char* name) {
+    using Stage = flash::DqStageTile<kCols>;
+    constexpr int kRows = 16;
+    const int before = g_failures;
+    auto byte = [](int row, int col) { return Stage::index(row, col) * 4; };
+    auto bank = [&](int row, int col) { return (byte(row, col) / 4) % 32; };
+    std::set<int> seen;
+    for (int r = 0; r < kRows; ++r) {
+        for (int c = 0; c < kCols; ++c) {
+            const int i = Stage::index(r, c);
+            CHECK(i / kCols == r, "(%d, %d) -> %d leaves its row", r, c, i);
+            CHECK(seen.insert(i).second, "(%d, %d) -> %d is taken", r, c, i);
+            CHECK(i % 4 == c % 4, "(%d, %d) -> %d splits a 16-byte chunk", r, c, i);
+        }
+    }
+    for (int i = 0; i < kCols / 8; ++i) {
+        for (int r = 0; r < 2; ++r) {
+            for (int half = 0; half < 2; ++half) {
+                std::set<int> banks;
+                for (int lane = 16 * half; lane < 16 * half + 16; ++lane) {
+                    const int row = lane / 4 + 8 * r, col = 8 * i + 2 * (lane % 4);
+                    banks.insert(bank(row, col));
+                    banks.insert(bank(row, col + 1));
+                }
+                CHECK(banks.size() == 32, "fragment store n8 tile %d, rows +%d, half-warp %d: %zu banks", i, 8 * r, half,
+                      banks.size());
+            }
+        }
+    }
+    constexpr int kLanesPerRow = kCols / 4;
+    for (int row0 = 0; row0 < kRows; row0 += 32 / kLanesPerRow) {
+        for (int quarter = 0; quarter < 4; ++quarter) {
+            std::set<int> banks;
+            for (int lane = 8 * quarter; lane < 8 * quarter + 8; ++lane) {
+                for (int e = 0; e < 4; ++e) banks.insert(bank(row0 + lane / kLanesPerRow, lane % kLanesPerRow * 4 + e));
+            }
+            CHECK(banks.size() == 32, "row read from row %d, quarter-warp %d: %zu banks", row0, quarter, banks.size());
+        }
+    }
+    const uint32_t base = 2 * 1024;  // a warp's tile start, 128-byte aligned
+    for (int row = 0; row < 8; ++row) {
+        for (int col = 0; col < 8; col += 2) {
+            for (int dr = 0; row + dr < kRows; dr += 4) {
+                for (int i = 0; i < kCols / 8; ++i) {
+                    const uint32_t want = base + byte(row + dr, col + 8 * i);
+                    const uint32_t got = Stage::step(base + byte(row, col), dr, i);
+                    CHECK(got == want, "step from (%d, %d) by (%d, tile %d): %u, not %u", row, col, dr, i, got, want);
+                }
+            }
+        }
+    }
+    if (g_failures == before) std::printf("ok %s\n", name);
+}
+
 int main() {
     check<SmemTile<32>>("padded 32");
     check<SmemTile<96>>("padded 96");
@@ -82,5 +140,6 @@ int main() {
     check<SmemTile<64>>("swizzled 64");
     check<SmemTile<128>>("swizzled 128");
     check<SmemTile<256>>("swizzled 256");
+    check_dq_stage<32>("dq stage 32");
     return g_failures == 0 ? 0 : 1;
 }

@@ -143,6 +143,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     // This lane's first dQ element (row dq_q0 + g, column col0 + dq_c0 + 2t) in a query block's dq_accum rows, which
     // are kHeadDim floats long (d_rounded: the launch dispatches on it), so every add is a constant offset from it.
     const int dq_lane = (dq_q0 + g) * kHeadDim + col0 + dq_c0 + 2 * t;
+    // Traits::kDqStaged: this warp's (16 x 32) fp32 staging tile, in the P^T buffer or after sDelta (BwdDqStagedTraits);
+    // the shared addresses of this lane's first C fragment (row g, column 2t) and of the first 16-byte chunk it reads
+    // back (8 lanes per row, kDqStageRows rows per read), and the dq_accum element it adds to.
+    using DqStage = DqStageTile<Traits::kDqCols>;
+    constexpr int kDqStageRows = kWarpSize * 4 / Traits::kDqCols;
+    const float* sDqStage = (Traits::kDqStageInP ? reinterpret_cast<const float*>(sP) : sDelta + Traits::kNStages * kBlockM) +
+                            warp * kMmaM * Traits::kDqCols;
+    const int dq_stage_row = lane / (Traits::kDqCols / 4), dq_stage_col = lane % (Traits::kDqCols / 4) * 4;
+    constexpr int kPOffsetBytes = (2 * Traits::kSmemKVElems + (Traits::kNStages + Traits::kDoStages) * Traits::kSmemQTileElems +
+                                   Traits::kSmemDsElems) * sizeof(Element);
+    constexpr int kDqStageOffsetBytes = kPOffsetBytes + (Traits::kDqStageInP ? 0 : Traits::kSmemPElems * sizeof(Element) +
+                                                                                     2 * Traits::kNStages * kBlockM * sizeof(float));
+    static_assert(!Traits::kDqStaged || (Tile::kAlign % 128 == 0 && kDqStageOffsetBytes % 128 == 0),
+                  "DqStageTile::step needs the staging tiles 128-byte aligned");
+    const uint32_t dq_st_lane = smem_addr(sDqStage + DqStage::index(g, 2 * t));
+    const uint32_t dq_ld_lane = smem_addr(sDqStage + DqStage::index(dq_stage_row, dq_stage_col));
+    const int dq_stage_lane = (dq_q0 + dq_stage_row) * kHeadDim + col0 + dq_c0 + dq_stage_col;
 
     const int num_n_blocks = ceil_div(seqlen_k, kBlockN);
     const int m_block_max = ceil_div(seqlen_q, kBlockM);
@@ -438,31 +455,74 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             // zeroed columns that the convert kernel never reads, so only rows past Tq are skipped. One uniform
             // branch on the mode, not one per add: with per-add row, column and mode branches this tail took 22% of
             // the warps' stall samples (docs/kernel_notes.md, "v26").
-            float* dq_rows = launder(dq_accum + static_cast<int64_t>(query0) * kHeadDim + dq_lane);
-            const int rows_left = seqlen_q - (query0 + dq_q0 + g);  // this lane's rows r < rows_left exist
-            auto add_dq = [&](auto add) {
+            if constexpr (Traits::kDqStaged) {
+                // One m16 tile at a time through this warp's staging tile (BwdDqStagedTraits): fragments in, whole
+                // 16-byte row chunks out, so each add covers kDqStageRows rows of whole 128-byte lines. Staging the
+                // whole warp tile and reading it all before the first add ran the hd64 backward 1.5-3% slower: its
+                // adds waited on the SM's global-memory queue again (docs/kernel_notes.md, "v28"). Only a last,
+                // partial query block checks rows (a uniform branch): under a per-add check ptxas branched around
+                // every add.
+                float* dq_rows = launder(dq_accum + static_cast<int64_t>(query0) * kHeadDim + dq_stage_lane);
+                const int rows_left = seqlen_q - (query0 + dq_q0 + dq_stage_row);  // this lane's rows r < rows_left exist
+                const uint32_t st_at = launder(dq_st_lane), ld_at = launder(dq_ld_lane);
+                auto add_dq = [&](auto add, auto checked) {
 #pragma unroll
-                for (int mt = 0; mt < kDqMTiles; ++mt) {
+                    for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = mt * kMmaM + r * 8;
-                        if (row < rows_left) {
+                        for (int i = 0; i < kDqNTiles; ++i) {
 #pragma unroll
-                            for (int i = 0; i < kDqNTiles; ++i) {
-                                add(dq_rows + row * kHeadDim + i * kMmaN,
-                                    make_float2(dq[mt][i][2 * r], dq[mt][i][2 * r + 1]));
+                            for (int r = 0; r < 2; ++r) {
+                                st_shared_f32x2(DqStage::step(st_at, 8 * r, i), dq[mt][i][2 * r], dq[mt][i][2 * r + 1]);
+                            }
+                        }
+                        __syncwarp();
+#pragma unroll
+                        for (int row = 0; row < kMmaM; row += kDqStageRows) {
+                            const float4 v = ld_shared_f32x4(ld_at + row * Traits::kDqCols * 4);
+                            if (!decltype(checked)::value || mt * kMmaM + row < rows_left) {
+                                add(dq_rows + (mt * kMmaM + row) * kHeadDim, v);
+                            }
+                        }
+                        if (mt + 1 < kDqMTiles) __syncwarp();  // every lane read this tile before the next overwrites it
+                    }
+                };
+                if (params.deterministic) {
+                    add_dq([](float* dst, float4 val) {  // this block owns the split: ordered, no atomics
+                        const float4 old = *reinterpret_cast<float4*>(dst);
+                        *reinterpret_cast<float4*>(dst) = make_float4(old.x + val.x, old.y + val.y, old.z + val.z, old.w + val.w);
+                    }, std::true_type{});
+                } else if (query0 + dq_q0 + kDqMTiles * kMmaM <= seqlen_q) {
+                    add_dq(red_add_f32x4, std::false_type{});
+                } else {
+                    add_dq(red_add_f32x4, std::true_type{});
+                }
+            } else {
+                float* dq_rows = launder(dq_accum + static_cast<int64_t>(query0) * kHeadDim + dq_lane);
+                const int rows_left = seqlen_q - (query0 + dq_q0 + g);  // this lane's rows r < rows_left exist
+                auto add_dq = [&](auto add) {
+#pragma unroll
+                    for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const int row = mt * kMmaM + r * 8;
+                            if (row < rows_left) {
+#pragma unroll
+                                for (int i = 0; i < kDqNTiles; ++i) {
+                                    add(dq_rows + row * kHeadDim + i * kMmaN,
+                                        make_float2(dq[mt][i][2 * r], dq[mt][i][2 * r + 1]));
+                                }
                             }
                         }
                     }
+                };
+                if (params.deterministic) {
+                    add_dq([](float* dst, float2 val) {  // this block owns the split: ordered, no atomics
+                        const float2 old = *reinterpret_cast<float2*>(dst);
+                        *reinterpret_cast<float2*>(dst) = make_float2(old.x + val.x, old.y + val.y);
+                    });
+                } else {
+                    add_dq(red_add_f32x2);
                 }
-            };
-            if (params.deterministic) {
-                add_dq([](float* dst, float2 val) {  // this block owns the split: ordered, no atomics
-                    const float2 old = *reinterpret_cast<float2*>(dst);
-                    *reinterpret_cast<float2*>(dst) = make_float2(old.x + val.x, old.y + val.y);
-                });
-            } else {
-                add_dq(red_add_f32x2);
             }
             if constexpr (kDkFromSmem && Traits::kDqFirst) dk_from_smem(acc_dk);
         }

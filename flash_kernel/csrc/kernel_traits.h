@@ -132,6 +132,8 @@ struct BwdVariantTraits : Base {
     static constexpr int kDqWarpsM = kDqWarpsM_;
     static constexpr bool kDqFirst = false;       // dQ_i (and its adds) before dK_j (BwdDqFirstTraits)
     static constexpr bool kLdsmAddrInAsm = true;  // ldmatrix_tile's kAddrInAsm for the swizzled tiles
+    static constexpr bool kDqStaged = false;      // dQ_i's adds through shared memory (BwdDqStagedTraits)
+    static constexpr bool kDqStageInP = false;
     static constexpr int kDqWarpsN = Base::kNWarps / kDqWarpsM;
     static constexpr int kDqCols = Base::kOutCols / kDqWarpsN;
     static constexpr int kSmemPElems = kSdpWarpsQ > 1 ? Base::kSmemDsElems : 0;  // P^T tile
@@ -167,6 +169,25 @@ struct BwdDqFirstTraits : Base {
     static_assert(Base::kDkFromSmem, "dK must come from dS^T in shared memory to move after dQ");
     static constexpr bool kDqFirst = true;
     static constexpr bool kLdsmAddrInAsm = false;
+};
+
+// The same backward adding dQ_i into dq_accum through shared memory: each warp writes its dQ_i tile's fp32 C
+// fragments, one m16 tile at a time, into a swizzled staging tile of its own, then reads back whole 16-byte row chunks
+// for 16-byte adds (red.global.add.v4.f32). From the C fragments, each add instruction touches 8 rows of 32 bytes, one
+// L2 request per row: 4 x FA2's requests for the same bytes, and the adds waited on the SM's global-memory queue (ncu
+// "lg throttle", docs/kernel_notes.md "v28"). From rows, an instruction covers 4 rows of whole 128-byte lines. The
+// staging tiles (16 x 32 floats per warp) take the P^T buffer where it is free, which it is only behind the barrier
+// after dV_j += P^T dO_i that one dO stage has; else shared memory of their own.
+template <typename Base>
+struct BwdDqStagedTraits : Base {
+    static_assert(Base::kDqCols == 32, "a warp's staged dQ rows are one 128-byte line: 8 lanes per row, 4 rows per read");
+    static constexpr bool kDqStaged = true;
+    static constexpr int kDqStageBytes = Base::kNWarps * kMmaM * Base::kDqCols * static_cast<int>(sizeof(float));
+    static constexpr bool kDqStageInP =
+        Base::kSdpWarpsQ > 1 && Base::kDoStages == 1 &&
+        kDqStageBytes <= Base::kSmemPElems * static_cast<int>(sizeof(typename Base::Element));
+    static constexpr int kSmemBytes = Base::kSmemBytes + (kDqStageInP ? 0 : kDqStageBytes);
+    static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
 };
 
 // Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
@@ -209,8 +230,9 @@ template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<
 // query blocks (Br 64 at head dims 32 and 64, 32 at 128, 16 at 256), 4 warps (Bc 64) at 96 and 128, and one dO
 // stage, with FA2's warp tiles where they divide. They are not tuned: no such GPU has been lent, and the H100 runs
 // them only for the tests (FLASH_KERNEL_MAX_SMEM_PER_BLOCK).
-// hd128 double-buffers dO where the GPU allows 165 KB (H100: +3-5%, docs/kernel_notes.md "v21"); at hd64 a second
-// dO stage measured within 1% either way.
+// hd128 double-buffers dO and stages dQ's adds in 16 KB of their own where the GPU allows 181 KB (H100: +3-5% for
+// the second dO stage, docs/kernel_notes.md "v21"; +2-6% for the staging, "v28"); A100s run SmallSmemTraits, with
+// neither. At hd64 a second dO stage measured within 1% either way.
 // Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone
 // 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
 template <int kHeadDim, typename Element> struct BwdConfig;
@@ -221,9 +243,10 @@ template <typename E> struct BwdConfig<32, E>  {
 };
 //   hd 64: Br 128; S^T/dP^T 32 keys x 64 queries, dK/dV 32 keys x 32 cols, dQ 32 queries x 32 cols. FA2
 //   splits S^T 2 x 4 (64 keys x 32 queries): the same ldmatrix count, but 20-36 B of spill on both archs
-//   here, against 16-28 B on sm_90 only for 4 x 2. dQ before dK (BwdDqFirstTraits).
+//   here, against 16-28 B on sm_90 only for 4 x 2. dQ before dK (BwdDqFirstTraits); dQ's adds staged in the P^T
+//   buffer (BwdDqStagedTraits: +4-6% on the H100).
 template <typename E> struct BwdConfig<64, E>  {
-    using Traits = BwdDqFirstTraits<BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>>;
+    using Traits = BwdDqStagedTraits<BwdDqFirstTraits<BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>>>;
     using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<64, 64, 8, 1, E>, 2, 4, true, 2, 1>;  // Br 64
 };
 //   hd 96: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 48 cols, dQ 16 queries x 48 cols.
@@ -238,7 +261,7 @@ template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, true, 2, 2>; };
 #elif FLASH_BWD_HD128_VARIANT == 3
 template <typename E> struct BwdConfig<128, E> {
-    using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 2>;           // 165 KB
+    using Traits = BwdDqStagedTraits<BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 2>>;  // 181 KB
     using SmallSmemTraits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 1>;  // 149 KB
     // Br 32, Bc 64, one dO stage: Br 64 would need 99 KiB and the tiles' alignment slack on top.
     using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<128, 32, 4, 1, E>, 2, 2, true, 2, 1>;

@@ -65,4 +65,24 @@ struct SmemTile {
     }
 };
 
+// Where element (row, col) of a warp's (16 x kCols) fp32 dQ staging tile lives (the sm80 backward's staged dQ adds,
+// BwdDqStagedTraits in kernel_traits.h): rows unpadded, the 16-byte chunk c of row r stored at chunk c ^ 2 (r % 4).
+// The warp writes its C fragments there, 8 bytes per lane: a half-warp writes 32 bytes at one chunk pair of each of 4
+// rows (r % 4 = 0..3), which the XOR moves to 4 different pairs of one 128-byte bank span. It reads back whole
+// 16-byte chunks: a quarter-warp reads 8 chunks of one 128-byte row span, which the XOR only permutes. Both are
+// free of bank conflicts (tests/smem_tile_check.cu).
+template <int kCols_>
+struct DqStageTile {
+    static constexpr int kCols = kCols_;  // a multiple of 32 for the claims above (BwdDqStagedTraits asserts 32)
+    __host__ __device__ static constexpr int index(int row, int col) {
+        return row * kCols + ((((col / 4) ^ ((row % 4) * 2)) * 4) | (col % 4));
+    }
+    // The byte address of (row + dr, col + 8 i) is step(at, dr, i), `at` the address of (row, col) with col < 8 (a
+    // lane's C fragment column 2t) in a tile starting 128-byte aligned, dr a multiple of 4 (the row's swizzle stays):
+    // n8 tile i's chunk pair is the lane's XOR i, so the fragments' stores take one XOR per tile and immediates.
+    __host__ __device__ static constexpr uint32_t step(uint32_t at, int dr, int i) {
+        return (at ^ static_cast<uint32_t>(i * 32)) + static_cast<uint32_t>(dr * kCols * 4);
+    }
+};
+
 }  // namespace flash

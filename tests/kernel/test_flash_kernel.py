@@ -301,7 +301,8 @@ def test_full_smem_runs_every_head_dim_and_smaller_limits_pick_smaller_configs(m
     if full[128][1] <= A100_SMEM_PER_BLOCK:
         pytest.skip("this GPU runs the A100 backward configs already")
     _emulate_smem_per_block(monkeypatch, A100_SMEM_PER_BLOCK)
-    assert _smem_bytes(128, True) == full[128][1] - 128 * 64 * 2  # SmallSmemTraits: one (64 x 128) bf16 dO stage less
+    # SmallSmemTraits: one (64 x 128) bf16 dO stage less, and no dQ staging tiles (8 warps x 16 x 32 fp32)
+    assert _smem_bytes(128, True) == full[128][1] - 64 * 128 * 2 - 8 * 16 * 32 * 4
     _emulate_smem_per_block(monkeypatch, SM89_SMEM_PER_BLOCK)
     for D in HEAD_DIMS:  # every pass has a config that fits, and it is a smaller one wherever the full one does not
         for backward in (False, True):
