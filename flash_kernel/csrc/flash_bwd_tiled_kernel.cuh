@@ -487,10 +487,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                     }
                 };
                 if (params.deterministic) {
-                    add_dq([](float* dst, float4 val) {  // this block owns the split: ordered, no atomics
-                        const float4 old = *reinterpret_cast<float4*>(dst);
-                        *reinterpret_cast<float4*>(dst) = make_float4(old.x + val.x, old.y + val.y, old.z + val.z, old.w + val.w);
-                    }, std::true_type{});
+                    add_dq([](float* dst, float4 v) { add_ordered(dst, v); }, std::true_type{});
                 } else if (query0 + dq_q0 + kDqMTiles * kMmaM <= seqlen_q) {
                     add_dq(red_add_f32x4, std::false_type{});
                 } else {
@@ -516,10 +513,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                     }
                 };
                 if (params.deterministic) {
-                    add_dq([](float* dst, float2 val) {  // this block owns the split: ordered, no atomics
-                        const float2 old = *reinterpret_cast<float2*>(dst);
-                        *reinterpret_cast<float2*>(dst) = make_float2(old.x + val.x, old.y + val.y);
-                    });
+                    add_dq([](float* dst, float2 v) { add_ordered(dst, v); });
                 } else {
                     add_dq(red_add_f32x2);
                 }

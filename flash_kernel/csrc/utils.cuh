@@ -82,6 +82,16 @@ __device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
     atomicAdd(dst + 3, v.w);
 #endif
 }
+// dst[0..n) += v by a plain load and store: the deterministic backward's adds into a dq_accum split its thread block
+// owns, the ordered counterparts of red_add_f32x2 / red_add_f32x4.
+__device__ __forceinline__ void add_ordered(float* dst, float2 v) {
+    const float2 old = *reinterpret_cast<float2*>(dst);
+    *reinterpret_cast<float2*>(dst) = make_float2(old.x + v.x, old.y + v.y);
+}
+__device__ __forceinline__ void add_ordered(float* dst, float4 v) {
+    const float4 old = *reinterpret_cast<float4*>(dst);
+    *reinterpret_cast<float4*>(dst) = make_float4(old.x + v.x, old.y + v.y, old.z + v.z, old.w + v.w);
+}
 // 8 bytes to, 16 bytes from a shared-memory address (the 32-bit form that smem_addr returns; 8- / 16-byte aligned).
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
