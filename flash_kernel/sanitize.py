@@ -138,6 +138,7 @@ def tiny_cases():
     # Lengths span several K/V tiles so every shared-memory stage is refilled at least once.
     return [
         dict(b=1, tq=301, tk=301, h=2, h_k=1, d=64, dtype=torch.bfloat16, causal=False),
+        # Causal hd64: 192-row tiles ending at Tq, so block 0 starts 83 rows before row 0 (csrc/fwd_tile_scheduler.h).
         dict(b=1, tq=301, tk=301, h=2, h_k=1, d=64, dtype=torch.bfloat16, causal=True),
         dict(b=1, tq=45, tk=70, h=2, h_k=2, d=40, dtype=torch.float16, causal=True),
         dict(b=1, tq=200, tk=331, h=2, h_k=2, d=128, dtype=torch.bfloat16, causal=True),

@@ -3,7 +3,9 @@
 //     their neighbours up to 2^31 - 1, at dividends around multiples of the divisor up to 2^31 - 1;
 //   - fwd_tile_coord (fwd_tile_scheduler.h, on FastDiv) against the orders written out as loops: causal tiles go
 //     group by group, longest block first, the group's pairs in turn; non-causal tiles query block fastest. Every
-//     tile is checked, so the map is also a bijection onto the blocks that see a key.
+//     tile is checked, so the map is also a bijection onto the blocks that see a key;
+//   - the blocks' rows (fwd_block_row0): each query row in one block, causal blocks ending at Tq, and m_first the
+//     blocks whose rows see no key, at 128 and 192 rows per block.
 #include <cstdio>
 #include <vector>
 
@@ -60,13 +62,34 @@ static flash::FwdParams params(int b, int h, int h_k, int tq, int tk, bool causa
     return p;
 }
 
-template <bool kIsCausal>
+// The query blocks' rows: every row of [0, Tq) in exactly one block, each block at most kBlockM rows past row 0;
+// causal blocks end at Tq (the short block, if any, is block 0), non-causal ones start at row 0. Returns how many
+// leading blocks see no key (causal: query i sees keys j <= i + Tk - Tq).
+template <int kBlockM, bool kIsCausal>
+static int check_rows(const flash::FwdParams& p, const flash::FwdTiles& t, int n_blocks) {
+    std::vector<int> owner(p.seqlen_q, 0);
+    int without_keys = 0;
+    for (int block = 0; block < n_blocks; ++block) {
+        const int row0 = flash::fwd_block_row0<kBlockM>(t, block);
+        CHECK(row0 > -kBlockM && row0 < p.seqlen_q, "tq %d: block %d starts at row %d", p.seqlen_q, block, row0);
+        if (kIsCausal && block == n_blocks - 1) CHECK(row0 + kBlockM == p.seqlen_q, "the last causal block ends at %d", row0 + kBlockM);
+        if (!kIsCausal) CHECK(row0 == block * kBlockM, "non-causal block %d starts at %d", block, row0);
+        for (int row = row0 < 0 ? 0 : row0; row < row0 + kBlockM && row < p.seqlen_q; ++row) ++owner[row];
+        const int last_row = row0 + kBlockM - 1 < p.seqlen_q - 1 ? row0 + kBlockM - 1 : p.seqlen_q - 1;
+        const bool sees_key = !kIsCausal || last_row + p.seqlen_k - p.seqlen_q >= 0;
+        if (!sees_key) CHECK(without_keys++ == block, "block %d sees no key after one that does", block);
+    }
+    for (int row = 0; row < p.seqlen_q; ++row) CHECK(owner[row] == 1, "tq %d: row %d in %d blocks", p.seqlen_q, row, owner[row]);
+    return without_keys;
+}
+
+template <int kBlockM, bool kIsCausal>
 static void check_order(const flash::FwdParams& p) {
-    constexpr int kBlockM = 128;
     const flash::FwdTiles t = flash::fwd_tiles<kBlockM>(p);
     const int n_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    const int m_first = kIsCausal && p.seqlen_q > p.seqlen_k ? (p.seqlen_q - p.seqlen_k) / kBlockM : 0;
-    CHECK(t.n_blocks == n_blocks && t.m_first == m_first, "n_blocks %d, m_first %d", t.n_blocks, t.m_first);
+    CHECK(t.n_blocks == n_blocks, "n_blocks %d", t.n_blocks);
+    const int m_first = check_rows<kBlockM, kIsCausal>(p, t, n_blocks);
+    CHECK(t.m_first == m_first, "tq %d tk %d: m_first %d, not %d", p.seqlen_q, p.seqlen_k, t.m_first, m_first);
     CHECK(t.num_tiles == (n_blocks - m_first) * p.h * p.b, "num_tiles %d", t.num_tiles);
 
     std::vector<BlockCoord> want;  // tile i's coordinates, in launch order
@@ -108,9 +131,11 @@ int main() {
                     for (int tk : {1, 300, 2048}) {
                         for (int group : {1, 2, 3, 7, 16, b * h}) {
                             if (group > b * h) continue;
-                            check_order<true>(params(b, h, h_k, tq, tk, true, group));
+                            check_order<128, true>(params(b, h, h_k, tq, tk, true, group));
+                            check_order<192, true>(params(b, h, h_k, tq, tk, true, group));  // three warpgroups
                         }
-                        check_order<false>(params(b, h, h_k, tq, tk, false, 0));
+                        check_order<128, false>(params(b, h, h_k, tq, tk, false, 0));
+                        check_order<192, false>(params(b, h, h_k, tq, tk, false, 0));
                     }
                 }
             }

@@ -7,15 +7,19 @@
 //     registers for Q or K), fp32 accumulators in registers: 64 query rows x kBlockN keys per warpgroup.
 //   - O += P V: P stays in registers (the accumulator layout of S is wgmma's register A layout, as with
 //     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
-//   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block, issued by thread 0)
+//   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block, issued by one thread)
 //     into kNStages stages each for K and V; each stage has a "full" mbarrier (its bytes landed) and an
 //     "empty" one (every warpgroup is done reading it), so no block-wide barrier couples the warpgroups.
-//     Once it has issued its turn j, thread 0 loads K_{j+kNStages-1} into the stage K_{j-1} freed and
-//     V_{j+kNStages-2} into the one V_{j-2} freed, while its warp waits for the tensor cores anyway: warpgroup 0
-//     released both in turn j - 1, the others in their turns j - 1, which the tensor cores finish before
-//     warpgroup 0's turn j. (Loading after the wait put thread 0's waits and copies on warpgroup 0's path to
-//     its softmax: -8 to -12% at head dim 64, where the softmax is the longer half of a turn.)
-//   - Ping-pong (FA3 paper, section 3.1): the warpgroups (two, or three for hd64 non-causal) take turns in a
+//     Once a warpgroup has issued its turn j, one of its threads loads K_{j+kNStages-1} into the stage K_{j-1}
+//     freed and V_{j+kNStages-2} into the one V_{j-2} freed, while its warp waits for the tensor cores anyway.
+//     With three stages or more that is the last warpgroup (v29): every warpgroup released both stages in its turn
+//     j - 1, which comes before the last one's turn j in the ring, so its empty waits return at once. From
+//     warpgroup 0, thread 0 waited there for the others' turn j - 1 to finish, and its warp's softmax started that
+//     much later: +1 to +4% on 128-key blocks. With two stages (hd128 from 2048 keys) V_j is loaded in turn j for
+//     turn j + 1, and the last warpgroup's turn came too late for it (-10 to -13%), so thread 0 loads them there.
+//     (Loading after the wait put the loader's waits and copies on its warp's path to the softmax: -8 to -12% at
+//     head dim 64, where the softmax is the longer half of a turn.)
+//   - Ping-pong (FA3 paper, section 3.1): the warpgroups (two, or three at hd64) take turns in a
 //     ring to issue their matmuls (named barriers), so the tensor cores run one warpgroup's GEMMs while the
 //     others do their softmax. Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait
 //     covers both and the softmax of S_j runs while the other warpgroups' pairs are on the tensor cores.
@@ -83,8 +87,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int seqlen_k = params.seqlen_k;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
 
-    // Thread 0 issues every load (one TMA per 64-column block) and arms the "full" barriers with its bytes.
+    // Thread 0 initialises the barriers, claims tiles and loads each tile's head (Q and its first K/V tiles); the
+    // rest of the K/V tiles (load_ahead) come from stream_loader (the header says which). Each load is one TMA per
+    // 64-column block and arms its "full" barrier with its bytes.
     const bool loader = tid == 0;
+    const bool stream_loader = tid == (kNStages >= 3 ? (Traits::kNWarpgroups - 1) * kWarpgroupThreads : 0);
     if (loader) {
         prefetch_tensor_map(&maps.q);
         prefetch_tensor_map(&maps.k);
@@ -119,19 +126,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto load_v = [&](int kv, int n_block, int head_k, int batch) {
         load(&maps.v, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch);
     };
-    // A tile's key blocks: all of them, or causal up to the diagonal of its last row (>= 1: fwd_tiles).
-    auto key_blocks = [&](int m_block) {
+    // The key blocks of the tile whose first row is row0: all of them, or causal up to the diagonal of its last row
+    // (>= 1: fwd_tiles).
+    auto key_blocks = [&](int row0) {
         const int n = ceil_div(seqlen_k, kBlockN);
-        return kIsCausal ? min(n, ceil_div((m_block + 1) * kBlockM + causal_offset, kBlockN)) : n;
+        return kIsCausal ? min(n, ceil_div(row0 + kBlockM + causal_offset, kBlockN)) : n;
     };
     // (Loader only.) The block's tile_iter-th tile's Q, K_0 .. K_{kNStages-2} and V_0 .. V_{kNStages-3}; Q once
     // every thread's last S of the tile before is done reading it (full_q and empty_q complete phase tile_iter
     // for the tile_iter-th tile).
     auto load_tile_head = [&](int tile, int tile_iter, int kv_base) {
         const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, tile);
-        const int n_block_max = key_blocks(c.block), head_k = tiles.q_per_kv_head.div(c.head);
+        const int row0 = fwd_block_row0<kBlockM>(tiles, c.block);
+        const int n_block_max = key_blocks(row0), head_k = tiles.q_per_kv_head.div(c.head);
         if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
-        tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, c.block * kBlockM, c.head, c.batch, full_q);
+        tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, row0, c.head, c.batch, full_q);
         for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(kv_base + j, j, head_k, c.batch);
         for (int j = 0; j < kNStages - 2 && j < n_block_max; ++j) load_v(kv_base + j, j, head_k, c.batch);
     };
@@ -174,13 +183,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto softmax = [&](int n_block, int row0) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset)) {
+            // Row r sees keys below min(seqlen_k, row + causal_offset + 1). As an offset from this thread's first column
+            // of the block, that is one limit per row, and each element's column offset 8i + e is a constant: one
+            // compare and one select per element.
 #pragma unroll
-            for (int i = 0; i < kNTilesN; ++i) {
+            for (int r = 0; r < 2; ++r) {
+                const int row = row0 + my_row + 8 * r;
+                const int end = kIsCausal ? min(seqlen_k, row + causal_offset + 1) : seqlen_k;
+                const int limit = end - key0 - 2 * t;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = key0 + i * kMmaN + 2 * t + (e & 1);
-                    const int row = row0 + my_row + (e >= 2 ? 8 : 0);
-                    if (col >= seqlen_k || (kIsCausal && col > row + causal_offset)) s[4 * i + e] = -INFINITY;
+                for (int i = 0; i < kNTilesN; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        if (i * kMmaN + e >= limit) s[4 * i + 2 * r + e] = -INFINITY;
+                    }
                 }
             }
         }
@@ -233,15 +249,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     while (true) {
         const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, tile);
         const int bidh = coord.head, bidb = coord.batch;
-        const int row0 = coord.block * kBlockM;
+        const int row0 = fwd_block_row0<kBlockM>(tiles, coord.block);  // < 0 only for a causal block 0
         const int valid_rows = min(kBlockM, seqlen_q - row0);
-        const int n_block_max = key_blocks(coord.block);
+        const int n_block_max = key_blocks(row0);
         const int bidh_k = tiles.q_per_kv_head.div(bidh);  // GQA/MQA: the kv head of this query head
         auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
         auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
-        // Issued with turn j: K_{j+kNStages-1} and V_{j+kNStages-2}.
+        // Issued with stream_loader's turn j: K_{j+kNStages-1} and V_{j+kNStages-2}, into the stages of K_{j-1} and
+        // V_{j-2}.
         auto load_ahead = [&](int n_block) {
-            if (!loader) return;
+            if (!stream_loader) return;
             if (n_block + kNStages - 1 < n_block_max) load_k(kv_base + n_block + kNStages - 1, n_block + kNStages - 1, bidh_k, bidb);
             if (n_block + kNStages - 2 < n_block_max) load_v(kv_base + n_block + kNStages - 2, n_block + kNStages - 2, bidh_k, bidb);
         };
@@ -323,7 +340,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // O = O / l, LSE = m * scale + log(l), straight from the accumulators: sQ already holds the next tile's Q,
         // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's
         // store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
-        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0);
+        // The tile's rows [first_row, valid_rows) are rows of the tensor (first_row > 0 only for a causal block 0,
+        // which starts before row 0); out points at the first of them.
+        const int first_row = max(0, -row0);
+        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0 + first_row);
         Element* o = out.o;
         float* lse = out.lse;
 #pragma unroll
@@ -332,9 +352,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             const float l = quad_sum(row_sum[r]);
             const bool empty = l == 0.f || l != l;  // no visible key: O stays 0, LSE = +inf
             const float inv_sum = empty ? 0.f : 1.f / l;
-            if (row < valid_rows) {
-                if (t == 0) lse[row] = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
-                Element* o_row = o + row * params.o_row_stride + 2 * t;
+            if (row >= first_row && row < valid_rows) {
+                if (t == 0) lse[row - first_row] = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
+                Element* o_row = o + (row - first_row) * params.o_row_stride + 2 * t;
 #pragma unroll
                 for (int i = 0; i < kNTilesD; ++i) {
                     if (i * kMmaN < params.d) {  // head dims below the tile width (d is a multiple of 8)
@@ -353,10 +373,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // Causal with Tq > Tk: the query blocks that see no key, after the main tiles.
     for (int e = static_cast<int>(blockIdx.x); e < tiles.num_empty; e += static_cast<int>(gridDim.x)) {
         const BlockCoord c = fwd_empty_tile_coord(tiles, params, e);
-        const int row0 = c.block * kBlockM;
-        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, c.batch, c.head, row0);
+        const int row0 = fwd_block_row0<kBlockM>(tiles, c.block), first = max(0, row0);
+        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, c.batch, c.head, first);
         write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(out.o, params.o_row_stride, out.lse,
-                                                             min(kBlockM, seqlen_q - row0), params.d);
+                                                             min(row0 + kBlockM, seqlen_q) - first, params.d);
     }
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_kernel_traits.h)

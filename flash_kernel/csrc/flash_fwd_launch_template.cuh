@@ -31,19 +31,14 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
                          Traits::kNThreads, Traits::kSmemBytes, stream, p, maps, tiles);
 }
 
-// The Hopper kernel of HopperFwdConfig for this input: NonCausalTraits for a non-causal one where the config names
-// them, else ShortTraits below kLongKeys keys and Traits from there (hopper_kernel_traits.h).
+// The Hopper kernel of HopperFwdConfig for this input: ShortTraits below kLongKeys keys, Traits from there
+// (hopper_kernel_traits.h).
 template <typename Config, bool kIsCausal>
 cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
-    using NonCausalTraits = typename NonCausalTraitsOf<Config>::type;
-    if constexpr (!kIsCausal && !std::is_void_v<NonCausalTraits>) {
-        return launch_fwd_hopper<NonCausalTraits, false>(params, stream);
-    } else {  // (an `else`, so that a config with NonCausalTraits does not instantiate Traits non-causal)
-        if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
-            if (params.seqlen_k < Config::kLongKeys) return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal>(params, stream);
-        }
-        return launch_fwd_hopper<typename Config::Traits, kIsCausal>(params, stream);
+    if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
+        if (params.seqlen_k < Config::kLongKeys) return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal>(params, stream);
     }
+    return launch_fwd_hopper<typename Config::Traits, kIsCausal>(params, stream);
 }
 
 template <typename Element, int kHeadDim>

@@ -14,9 +14,16 @@
 //     order comes close to the hardware's greedy one (a greedy-schedule model of 132 SMs: a round robin leaves
 //     the longest block 27-30% above the mean at hd128, 3% at hd64); so a causal block takes its next tile from
 //     a zeroed counter in global memory (atomicAdd), greedily, in that same order.
+// Causal query blocks end at the last query row (v29): where kBlockM does not divide Tq, the block short of kBlockM
+// rows is block 0, the one with the fewest keys, instead of the last one, which has the most. (With 192-row tiles
+// at T = 2k that is 96 key blocks of work per head instead of 101: the last block's idle warpgroup no longer
+// computes its 16 key blocks.) Block 0 then starts at a negative row. Its rows before 0 are outside the tensor, so TMA
+// fills them with zeros as it does rows past Tq, and they are never stored.
 // Tiles are numbered over the query blocks that see a key. In a causal grid with Tq > Tk the first m_first blocks
 // of every head see none (O = 0, LSE = +inf); the blocks write those after their main tiles.
 #pragma once
+
+#include <algorithm>
 
 #include "causal_order.h"
 #include "flash_params.h"
@@ -28,6 +35,7 @@ namespace flash {
 // path between two tiles) and passes them to every block.
 struct FwdTiles {
     int n_blocks;   // query blocks per (batch, head)
+    int row_shift;  // causal: n_blocks kBlockM - Tq, block 0's rows before row 0 (fwd_block_row0); else 0
     int m_first;    // blocks [0, m_first) of every head see no key (causal, Tq > Tk), else 0
     int num_tiles;  // (n_blocks - m_first) * h * b: the tiles with at least one key
     int num_empty;  // m_first * h * b
@@ -42,10 +50,10 @@ template <int kBlockM>
 inline FwdTiles fwd_tiles(const FwdParams& p) {
     FwdTiles t;
     t.n_blocks = ceil_div(p.seqlen_q, kBlockM);
-    // Query block m sees a key iff (m + 1) kBlockM + (Tk - Tq) > 0 (the causal bound of its last row); Tk >= 1
-    // makes m_first < n_blocks.
-    const int hidden_rows = p.seqlen_q - p.seqlen_k;
-    t.m_first = p.is_causal && hidden_rows > 0 ? hidden_rows / kBlockM : 0;
+    t.row_shift = p.is_causal ? t.n_blocks * kBlockM - p.seqlen_q : 0;
+    // Causal query block m's last row is Tq - 1 - (n_blocks - 1 - m) kBlockM, which sees a key iff
+    // (n_blocks - 1 - m) kBlockM < Tk (query i sees keys j <= i + Tk - Tq); Tk >= 1 makes m_first < n_blocks.
+    t.m_first = p.is_causal ? std::max(0, t.n_blocks - ceil_div(p.seqlen_k, kBlockM)) : 0;
     t.num_tiles = (t.n_blocks - t.m_first) * p.h * p.b;
     t.num_empty = t.m_first * p.h * p.b;
     t.causal = causal_order<FastDiv>(t.n_blocks - t.m_first, p.h, p.h * p.b, p.is_causal ? p.causal_group_heads : 1);
@@ -53,6 +61,12 @@ inline FwdTiles fwd_tiles(const FwdParams& p) {
     t.heads = FastDiv(p.h);
     t.q_per_kv_head = FastDiv(p.h_h_k_ratio);
     return t;
+}
+
+// The first row of query block `block`: negative for a causal grid's block 0 where kBlockM does not divide Tq.
+template <int kBlockM>
+__host__ __device__ __forceinline__ int fwd_block_row0(const FwdTiles& t, int block) {
+    return block * kBlockM - t.row_shift;
 }
 
 // The (query block, head, batch) of main tile `tile`.

@@ -10,8 +10,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 #include "hopper_utils.cuh"
 #include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants, kMaxSmemBytesSm90
 
@@ -62,27 +60,26 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below (v17). Wider key blocks (192 at hd128, 256 at
-// hd64) cut the turns per key by a third or a half, and with them each turn's fixed work (barriers, the rows' max
-// and sum, O's rescale): 3-12% faster from 2k keys up. Below, where a tile has few key blocks, the causal
-// diagonal's masked block grows with them, and they ran 2-12% slower (docs/kernel_notes.md, "v17").
-// A config that names NonCausalTraits runs them for every non-causal input instead (v23).
+// A config runs Traits from kLongKeys keys up and ShortTraits below (v17). Wider key blocks (192 at hd128) cut the
+// turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale):
+// 3-12% faster from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
+// them, and they ran 2-12% slower (docs/kernel_notes.md, "v17").
 //                                                                           hd   Bc stages minBlk
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
     static constexpr bool kAvailable = true;
-    // At hd64 a warpgroup's softmax needs as many SFU cycles as its turn on the tensor cores (64 ex2 per thread
-    // against two 64x128x64 matmuls): 1 exponential in 8 by polynomial balances the SFU against the issue slots
-    // the polynomial costs (v13: forward +2 to +4% at T >= 2k; 1 in 4 gained nothing).
-    using Traits = HopperFwdTraits<64, 256, 3, 1, E, 64, 8>;       // 209 KB of shared memory; 250 registers
-    using ShortTraits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8>;  // 113 KB
-    static constexpr int kLongKeys = 2048;
-    // Non-causal inputs of every length run three warpgroups (192 query rows) on 128-key blocks: each warpgroup's
-    // softmax then hides behind two other warpgroups' matmuls instead of one (+1 to +10% over the tiles above, v23).
-    // Causal inputs keep two: on 192-row tiles their diagonal blocks and longest tiles grow, and they ran 0-10%
-    // slower. 121 KB; 154 registers (the launch bound of 384 threads allows 168).
-    using NonCausalTraits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8, 3>;
+    // Three warpgroups (192 query rows) on 128-key blocks, causal or not: at hd64 a warpgroup's softmax takes about
+    // as long as its turn on the tensor cores (64 exponentials per thread against two 64x128x64 matmuls), and in a
+    // ring of three it hides behind two other warpgroups' turns instead of one. Non-causal since v23 (+1 to +10% over
+    // two warpgroups on 256-key blocks); causal since v29, once causal blocks end at Tq (fwd_tile_scheduler.h), so
+    // that the short block is the one with the fewest keys: with v29's loader and mask, +4 to +8% over two
+    // warpgroups on 256-key blocks (128 below 2048 keys).
+    // 1 exponential in 8 by polynomial balances the SFU against the issue slots the polynomial costs (v13).
+    // 121 KB; 154 registers (the launch bound of 384 threads allows 168; S of 256 keys would not fit).
+    using Traits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8, 3>;
+    using ShortTraits = Traits;
+    static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
@@ -93,16 +90,11 @@ template <typename E> struct HopperFwdConfig<96, E> {
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
+    // Two warpgroups: O alone is 64 registers of the 168 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, 1, E>;       // 225 KB of shared memory; 234 registers
     using ShortTraits = HopperFwdTraits<128, 128, 3, 1, E>;  // 225 KB
     static constexpr int kLongKeys = 2048;
 };
 #endif
-
-// A config's NonCausalTraits, or void where non-causal inputs run the causal ones' tiles.
-template <typename Config, typename = void>
-struct NonCausalTraitsOf { using type = void; };
-template <typename Config>
-struct NonCausalTraitsOf<Config, std::void_t<typename Config::NonCausalTraits>> { using type = typename Config::NonCausalTraits; };
 
 }  // namespace flash
