@@ -4,8 +4,8 @@
 //   - fwd_tile_coord (fwd_tile_scheduler.h, on FastDiv) against the orders written out as loops: causal tiles go
 //     group by group, longest block first, the group's pairs in turn; non-causal tiles query block fastest. Every
 //     tile is checked, so the map is also a bijection onto the blocks that see a key;
-//   - the blocks' rows (fwd_block_row0): each query row in one block, causal blocks ending at Tq, and m_first the
-//     blocks whose rows see no key, at 128 and 192 rows per block.
+//   - the blocks' rows (fwd_block_rows): each query row stored by one block, causal blocks ending at Tq, and m_first
+//     the blocks whose rows see no key, at 128 and 192 rows per block.
 #include <cstdio>
 #include <vector>
 
@@ -70,12 +70,17 @@ static int check_rows(const flash::FwdParams& p, const flash::FwdTiles& t, int n
     std::vector<int> owner(p.seqlen_q, 0);
     int without_keys = 0;
     for (int block = 0; block < n_blocks; ++block) {
-        const int row0 = flash::fwd_block_row0<kBlockM>(t, block);
+        const flash::BlockRows rows = flash::fwd_block_rows<kBlockM>(t, block, p.seqlen_q);
+        const int row0 = rows.row0;
         CHECK(row0 > -kBlockM && row0 < p.seqlen_q, "tq %d: block %d starts at row %d", p.seqlen_q, block, row0);
         if (kIsCausal && block == n_blocks - 1) CHECK(row0 + kBlockM == p.seqlen_q, "the last causal block ends at %d", row0 + kBlockM);
         if (!kIsCausal) CHECK(row0 == block * kBlockM, "non-causal block %d starts at %d", block, row0);
-        for (int row = row0 < 0 ? 0 : row0; row < row0 + kBlockM && row < p.seqlen_q; ++row) ++owner[row];
-        const int last_row = row0 + kBlockM - 1 < p.seqlen_q - 1 ? row0 + kBlockM - 1 : p.seqlen_q - 1;
+        // The rows it stores: inside the tensor and inside the block.
+        CHECK(0 <= rows.first && rows.first < rows.end && rows.end <= kBlockM && row0 + rows.first >= 0 &&
+                  row0 + rows.end <= p.seqlen_q,
+              "tq %d: block %d at %d stores [%d, %d)", p.seqlen_q, block, row0, rows.first, rows.end);
+        for (int row = row0 + rows.first; row < row0 + rows.end && row >= 0 && row < p.seqlen_q; ++row) ++owner[row];
+        const int last_row = row0 + rows.end - 1;
         const bool sees_key = !kIsCausal || last_row + p.seqlen_k - p.seqlen_q >= 0;
         if (!sees_key) CHECK(without_keys++ == block, "block %d sees no key after one that does", block);
     }

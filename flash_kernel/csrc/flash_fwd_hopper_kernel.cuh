@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // for the tile_iter-th tile).
     auto load_tile_head = [&](int tile, int tile_iter, int kv_base) {
         const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, tile);
-        const int row0 = fwd_block_row0<kBlockM>(tiles, c.block);
+        const int row0 = fwd_block_rows<kBlockM>(tiles, c.block, seqlen_q).row0;
         const int n_block_max = key_blocks(row0), head_k = tiles.q_per_kv_head.div(c.head);
         if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
         tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, row0, c.head, c.batch, full_q);
@@ -249,8 +249,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     while (true) {
         const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, tile);
         const int bidh = coord.head, bidb = coord.batch;
-        const int row0 = fwd_block_row0<kBlockM>(tiles, coord.block);  // < 0 only for a causal block 0
-        const int valid_rows = min(kBlockM, seqlen_q - row0);
+        const BlockRows rows = fwd_block_rows<kBlockM>(tiles, coord.block, seqlen_q);
+        const int row0 = rows.row0;
         const int n_block_max = key_blocks(row0);
         const int bidh_k = tiles.q_per_kv_head.div(bidh);  // GQA/MQA: the kv head of this query head
         auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
@@ -340,10 +340,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // O = O / l, LSE = m * scale + log(l), straight from the accumulators: sQ already holds the next tile's Q,
         // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's
         // store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
-        // The tile's rows [first_row, valid_rows) are rows of the tensor (first_row > 0 only for a causal block 0,
-        // which starts before row 0); out points at the first of them.
-        const int first_row = max(0, -row0);
-        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0 + first_row);
+        // The tile stores its rows [rows.first, rows.end); out points at the first of them.
+        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0 + rows.first);
         Element* o = out.o;
         float* lse = out.lse;
 #pragma unroll
@@ -352,9 +350,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             const float l = quad_sum(row_sum[r]);
             const bool empty = l == 0.f || l != l;  // no visible key: O stays 0, LSE = +inf
             const float inv_sum = empty ? 0.f : 1.f / l;
-            if (row >= first_row && row < valid_rows) {
-                if (t == 0) lse[row - first_row] = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
-                Element* o_row = o + (row - first_row) * params.o_row_stride + 2 * t;
+            if (row >= rows.first && row < rows.end) {
+                if (t == 0) lse[row - rows.first] = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
+                Element* o_row = o + (row - rows.first) * params.o_row_stride + 2 * t;
 #pragma unroll
                 for (int i = 0; i < kNTilesD; ++i) {
                     if (i * kMmaN < params.d) {  // head dims below the tile width (d is a multiple of 8)
@@ -373,10 +371,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // Causal with Tq > Tk: the query blocks that see no key, after the main tiles.
     for (int e = static_cast<int>(blockIdx.x); e < tiles.num_empty; e += static_cast<int>(gridDim.x)) {
         const BlockCoord c = fwd_empty_tile_coord(tiles, params, e);
-        const int row0 = fwd_block_row0<kBlockM>(tiles, c.block), first = max(0, row0);
-        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, c.batch, c.head, first);
-        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(out.o, params.o_row_stride, out.lse,
-                                                             min(row0 + kBlockM, seqlen_q) - first, params.d);
+        const BlockRows rows = fwd_block_rows<kBlockM>(tiles, c.block, seqlen_q);
+        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, c.batch, c.head, rows.row0 + rows.first);
+        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(out.o, params.o_row_stride, out.lse, rows.end - rows.first,
+                                                             params.d);
     }
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_kernel_traits.h)

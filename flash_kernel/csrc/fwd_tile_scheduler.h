@@ -35,7 +35,7 @@ namespace flash {
 // path between two tiles) and passes them to every block.
 struct FwdTiles {
     int n_blocks;   // query blocks per (batch, head)
-    int row_shift;  // causal: n_blocks kBlockM - Tq, block 0's rows before row 0 (fwd_block_row0); else 0
+    int row_shift;  // causal: n_blocks kBlockM - Tq, block 0's rows before row 0 (fwd_block_rows); else 0
     int m_first;    // blocks [0, m_first) of every head see no key (causal, Tq > Tk), else 0
     int num_tiles;  // (n_blocks - m_first) * h * b: the tiles with at least one key
     int num_empty;  // m_first * h * b
@@ -63,10 +63,16 @@ inline FwdTiles fwd_tiles(const FwdParams& p) {
     return t;
 }
 
-// The first row of query block `block`: negative for a causal grid's block 0 where kBlockM does not divide Tq.
+// Query block `block` computes rows [row0, row0 + kBlockM) and stores the ones inside the tensor, row0 + [first,
+// end): row0 < 0 (first > 0) only for a causal grid's block 0 where kBlockM does not divide Tq, end < kBlockM only
+// for a non-causal grid's last block.
+struct BlockRows {
+    int row0, first, end;
+};
 template <int kBlockM>
-__host__ __device__ __forceinline__ int fwd_block_row0(const FwdTiles& t, int block) {
-    return block * kBlockM - t.row_shift;
+__host__ __device__ __forceinline__ BlockRows fwd_block_rows(const FwdTiles& t, int block, int seqlen_q) {
+    const int row0 = block * kBlockM - t.row_shift;
+    return {row0, row0 < 0 ? -row0 : 0, seqlen_q - row0 < kBlockM ? seqlen_q - row0 : kBlockM};
 }
 
 // The (query block, head, batch) of main tile `tile`.
