@@ -197,8 +197,16 @@ def bench_ms(fn, grad_to_none, warmup_ms: float, rep_ms: float) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
+def _storage_gib(tensors) -> float:
+    """GiB held by the storages under tensors (views of one storage counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) / GIB
+
+
 def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[float, float]:
-    """(median ms, peak GiB allocated during one untimed call) for mode in fwd / bwd / fwd_bwd."""
+    """(median ms, peak GiB of one untimed call) for mode in fwd / bwd / fwd_bwd. The peak is the method's inputs
+    plus what the call allocates on top of what was live before it, so other methods' inputs (--rounds keeps every
+    method of a case alive) do not count."""
     q, k, v, do = tensors
     leaves = [q, k, v]
     if mode == "fwd":
@@ -214,10 +222,11 @@ def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[f
             fn().backward(do)
 
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / GIB
+    peak = (torch.cuda.max_memory_allocated() - before) / GIB + _storage_gib(tensors)
     for t in leaves:
         t.grad = None
     ms = bench_ms(step, leaves, warmup_ms, rep_ms)
@@ -238,53 +247,84 @@ def _free():
 
 def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]:
     """Every requested case; on_progress(results so far) after each sequence length, so that a run stopped
-    by its allocation's time limit keeps what it measured."""
+    by its allocation's time limit keeps what it measured. With args.rounds > 1 every method of a case stays
+    alive and each mode times the methods in turn, rounds times, --rep-ms each: a row's ms is the median of its
+    rounds (all of them in ms_rounds), so a clock that drifts over the case (the H100's power cap) moves every
+    method alike instead of whichever ran last."""
     results = []
     dtype = torch.bfloat16
+    rounds = getattr(args, "rounds", 1)
     for head_dim in args.hdims:
         for causal in args.causal:
             for seqlen in args.seqlens:
                 batch, heads = shape_for(seqlen, head_dim)
-                for method in args.methods:
-                    base = {
-                        "device": device, "inputs": args.inputs, "method": method, "hd": head_dim, "causal": causal,
-                        "seqlen": seqlen, "batch": batch, "heads": heads, "dtype": "bf16",
-                    }  # fmt: skip
-                    try:
-                        tensors, fn, context = make_method(method, batch, heads, seqlen, head_dim, causal, dtype, args.inputs)
-                    except BackendUnsupported as e:
-                        print(f"skip {method}: {e}")
-                        continue
-                    except torch.OutOfMemoryError:
-                        tensors, fn = None, None
-                        results += [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_mem_gib=None, note="") for m in args.modes]
-                        _free()
-                        continue
-                    if method in OURS:
-                        with context():
-                            base.update(kernel_names(head_dim))
-                    for mode in args.modes:
-                        row = dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="")
+                base0 = {
+                    "device": device, "inputs": args.inputs, "hd": head_dim, "causal": causal,
+                    "seqlen": seqlen, "batch": batch, "heads": heads, "dtype": "bf16",
+                }  # fmt: skip
+                # One case's methods: all alive at once with --rounds, else one after another.
+                groups = [args.methods] if rounds > 1 else [[m] for m in args.methods]
+                for group in groups:
+                    live = []  # (base, tensors, fn, context) per method that could be set up
+                    for method in group:
+                        base = dict(base0, method=method)
                         try:
-                            with context():
-                                ms, peak = run_mode(mode, tensors, fn, args.warmup_ms, args.rep_ms)
-                            row.update(ms=ms, peak_mem_gib=peak)
-                            row["tflops"] = attention_flops(batch, heads, seqlen, head_dim, causal, mode) / (ms * 1e-3) / 1e12
+                            tensors, fn, context = make_method(method, batch, heads, seqlen, head_dim, causal, dtype, args.inputs)
+                        except BackendUnsupported as e:
+                            print(f"skip {method}: {e}")
+                            continue
                         except torch.OutOfMemoryError:
-                            row["status"] = "OOM"
-                        except RuntimeError as e:
-                            row["status"] = "n/a" if _is_unsupported(e) else "error"
-                            row["note"] = str(e).splitlines()[0][:200]
-                        for t in tensors[:3]:
-                            t.grad = None
-                        _free()
-                        results.append(row)
-                        shown = f"{row['tflops']:7.1f} TFLOP/s  {row['ms']:8.3f} ms  peak {row['peak_mem_gib']:.2f} GiB" if row["status"] == "ok" else row["status"] + (f" ({row['note']})" if row.get("note") else "")
-                        print(f"hd={head_dim:<3} causal={int(causal)} T={seqlen:<5} {method:<15} {mode:<8} {shown}", flush=True)
-                    del tensors, fn
+                            results += [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_mem_gib=None, note="") for m in args.modes]
+                            _free()
+                            continue
+                        if method in OURS:
+                            with context():
+                                base.update(kernel_names(head_dim))
+                        live.append((base, tensors, fn, context))
+                    for mode in args.modes:
+                        rows = [dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="") for base, *_ in live]
+                        times = [[] for _ in live]
+                        for _ in range(rounds):
+                            for row, ms_list, (base, tensors, fn, context) in zip(rows, times, live):
+                                if row["status"] != "ok":
+                                    continue
+                                try:
+                                    with context():
+                                        ms, peak = run_mode(mode, tensors, fn, args.warmup_ms, args.rep_ms)
+                                    ms_list.append(ms)
+                                    row["peak_mem_gib"] = max(peak, row["peak_mem_gib"] or 0.0)
+                                except torch.OutOfMemoryError:
+                                    row["status"] = "OOM"
+                                except RuntimeError as e:
+                                    row["status"] = "n/a" if _is_unsupported(e) else "error"
+                                    row["note"] = str(e).splitlines()[0][:200]
+                                for t in tensors[:3]:
+                                    t.grad = None
+                                _free()
+                        for row, ms_list in zip(rows, times):
+                            if row["status"] == "ok":
+                                row["ms"] = statistics.median(ms_list)
+                                row["tflops"] = attention_flops(batch, heads, seqlen, head_dim, causal, mode) / (row["ms"] * 1e-3) / 1e12
+                                if rounds > 1:
+                                    row["ms_rounds"] = ms_list
+                            else:
+                                row["peak_mem_gib"] = None
+                            results.append(row)
+                            print(f"hd={head_dim:<3} causal={int(causal)} T={seqlen:<5} {row['method']:<15} {mode:<8} {_shown(row)}", flush=True)
+                    del live
                     _free()
                 on_progress(results)
     return results
+
+
+def _shown(row: dict) -> str:
+    """One result as the progress lines print it."""
+    if row["status"] != "ok":
+        return row["status"] + (f" ({row['note']})" if row.get("note") else "")
+    spread = ""
+    if row.get("ms_rounds"):
+        spread = f"  rounds {min(row['ms_rounds']):.3f}-{max(row['ms_rounds']):.3f} ms"
+    return f"{row['tflops']:7.1f} TFLOP/s  {row['ms']:8.3f} ms  peak {row['peak_mem_gib']:.2f} GiB{spread}"
 
 
 # ------------------------------------------------------------------------------------------ results file
@@ -440,12 +480,16 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="> 1: time a case's methods in turn this many times per mode (--rep-ms each), rows take the median")
     p.add_argument("--inputs", choices=INPUTS, default="native", help="each method's own layout, or the same (B, T, H, D) tensors for all")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the parts merge into")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the table and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
     args = p.parse_args(argv)
     args.causal = [bool(c) for c in args.causal]
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
 
 

@@ -131,3 +131,34 @@ def test_inputs_kinds_merge_and_report_apart(tmp_path, capsys):
     assert (tmp_path / "kernel_nvidia_fake_gpu_bthd.png").exists() and not (tmp_path / "kernel_nvidia_fake_gpu.png").exists()
     with pytest.raises(ValueError, match="unknown inputs"):
         bench.make_method("sdpa", 1, 1, 8, 8, False, torch.float32, inputs="bhtd")
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_rounds_interleave_methods_and_take_medians(monkeypatch, rounds):
+    # The timing is faked: run_mode returns the next of each method's scripted times and logs the order it ran in.
+    script = {"ours": [2.0, 1.0, 9.0], "sdpa_cudnn": [4.0, 5.0, 3.0]}
+    calls = []
+
+    def fake_make_method(method, *shape_and_dtype):
+        return tuple(torch.zeros(1) for _ in range(4)), method, bench.contextlib.nullcontext
+
+    def fake_run_mode(mode, tensors, fn, warmup_ms, rep_ms):
+        calls.append((fn, mode))
+        return script[fn][sum(1 for c in calls if c == (fn, mode)) - 1], 0.5
+
+    monkeypatch.setattr(bench, "make_method", fake_make_method)
+    monkeypatch.setattr(bench, "run_mode", fake_run_mode)
+    monkeypatch.setattr(bench, "kernel_names", lambda hd: {})
+    args = bench.parse_args(["--methods", "ours", "sdpa_cudnn", "--hdims", "128", "--causal", "1", "--seqlens", "2048",
+                             "--modes", "fwd", "--rounds", str(rounds)])
+    rows = {r["method"]: r for r in bench.benchmark(args, DEVICE)}
+    assert calls == [("ours", "fwd"), ("sdpa_cudnn", "fwd")] * rounds  # in turn, round after round
+    if rounds == 1:
+        assert rows["ours"]["ms"] == 2.0 and rows["sdpa_cudnn"]["ms"] == 4.0 and "ms_rounds" not in rows["ours"]
+    else:
+        assert rows["ours"]["ms"] == 2.0 and rows["sdpa_cudnn"]["ms"] == 4.0  # medians of (2, 1, 9) and (4, 5, 3)
+        assert rows["ours"]["ms_rounds"] == [2.0, 1.0, 9.0]
+    flops = bench.attention_flops(8, 16, 2048, 128, True, "fwd")
+    assert rows["ours"]["tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
