@@ -7,26 +7,22 @@
 //     registers for Q or K), fp32 accumulators in registers: 64 query rows x kBlockN keys per warpgroup.
 //   - O += P V: P stays in registers (the accumulator layout of S is wgmma's register A layout, as with
 //     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
-//   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block, issued by one thread)
-//     into kNStages stages each for K and V; each stage has a "full" mbarrier (its bytes landed) and an
-//     "empty" one (every warpgroup is done reading it), so no block-wide barrier couples the warpgroups.
-//     Once a warpgroup has issued its turn j, one of its threads loads K_{j+kNStages-1} into the stage K_{j-1}
-//     freed and V_{j+kNStages-2} into the one V_{j-2} freed, while its warp waits for the tensor cores anyway.
-//     With three stages or more that is the last warpgroup (v29): every warpgroup released both stages in its turn
-//     j - 1, which comes before the last one's turn j in the ring, so its empty waits return at once. From
-//     warpgroup 0, thread 0 waited there for the others' turn j - 1 to finish, and its warp's softmax started that
-//     much later: +1 to +4% on 128-key blocks. With two stages (hd128 from 2048 keys) V_j is loaded in turn j for
-//     turn j + 1, and the last warpgroup's turn came too late for it (-10 to -13%), so thread 0 loads them there.
-//     (Loading after the wait put the loader's waits and copies on its warp's path to the softmax: -8 to -12% at
-//     head dim 64, where the softmax is the longer half of a turn.)
+//   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block) into kNStages stages
+//     each for K and V; each stage has a "full" mbarrier (its bytes landed) and an "empty" one (every consumer
+//     thread is done reading it), so no block-wide barrier couples the warpgroups.
+//   - Warp specialization (FA3 paper, section 3.1; v30): one producer warpgroup issues every load and claims the
+//     tiles, on 24 registers (setmaxnreg), and hands the consumer warpgroups, which compute, the rest of the
+//     register file. Before v30 threads of the consumers issued the loads between their turns, so the loads'
+//     empty-stage waits and the tile claims sat on some warp's path to its softmax; the producer ran the
+//     forward 2-7% faster at hd64, 1-3% at hd128 causal up to 2k (-1% at hd128 non-causal).
 //   - Ping-pong (FA3 paper, section 3.1): the warpgroups (two, or three at hd64) take turns in a
 //     ring to issue their matmuls (named barriers), so the tensor cores run one warpgroup's GEMMs while the
 //     others do their softmax. Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait
 //     covers both and the softmax of S_j runs while the other warpgroups' pairs are on the tensor cores.
 //   - Persistent (v16, fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
-//     stages and their barrier phases run on across tiles; in a tile's last turn thread 0 loads the next tile's
-//     Q (once the tile's last S released it) and first K/V, and warpgroup 0 starts the next tile while the
-//     others finish this one. O is stored straight from the accumulators (sQ holds the next Q by then).
+//     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
+//     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
+//     the others finish this one. O is stored straight from the accumulators (sQ holds the next Q by then).
 #pragma once
 
 #include <cmath>
@@ -41,8 +37,7 @@
 namespace flash {
 
 // Named barriers of the kernel (0 is __syncthreads, used once, after the mbarriers are initialised).
-constexpr int kBarTurnWg0 = 1;     // + wg: "warpgroup wg may issue its matmuls"
-constexpr int kBarNextTile = kBarTurnWg0 + kMaxFwdWarpgroups;  // warpgroup 0: the loader has shared the next tile
+constexpr int kBarTurnWg0 = 1;  // + wg: "warpgroup wg may issue its matmuls"
 // A turn barrier: the warpgroup whose turn it is syncs, the one before it arrives.
 constexpr int kTurnBarThreads = 2 * kWarpgroupThreads;
 
@@ -64,6 +59,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
     constexpr uint32_t kKStepBytesN = kMmaK * kSwizzleRowBytes;        // 16 keys of V
     constexpr int kPolyExpEvery = Traits::kPolyExpEvery;
+    constexpr int kNConsumerThreads = Traits::kNConsumerThreads;
+    constexpr int kNTileSlots = Traits::kNTileSlots;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The tiles' swizzle is relative to 1024-aligned addresses; the launch allocates kSwizzleAtomBytes of slack.
@@ -71,7 +68,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const uint32_t sQ = smem_addr(smem);                              // swizzled kBlockM x kHeadDim
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
-    constexpr int kNThreads = Traits::kNThreads;
     const uint32_t bars = sQ + Traits::kSmemTileBytes;                // [4][kNStages] + 2 mbarriers of 8 bytes
     const uint32_t full_q = bars + 8 * 4 * kNStages;
     const uint32_t empty_q = full_q + 8;
@@ -79,30 +75,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto full_v = [&](int stage) { return bars + 8 * (kNStages + stage); };
     auto empty_k = [&](int stage) { return bars + 8 * (2 * kNStages + stage); };
     auto empty_v = [&](int stage) { return bars + 8 * (3 * kNStages + stage); };
-    // Causal: the next tile, from the loader (fwd_tile_scheduler.h) to the other threads.
-    volatile int* next_tile_slot = reinterpret_cast<volatile int*>(smem + Traits::kSmemTileBytes + 8 * Traits::kNMbarriers);
+    // The tiles' indices, from the producer (fwd_tile_scheduler.h) to the consumers: the tile_iter-th in slot
+    // tile_iter % kNTileSlots, with a full and an empty mbarrier per slot.
+    auto full_tile = [&](int slot) { return empty_q + 8 + 8 * slot; };
+    auto empty_tile = [&](int slot) { return empty_q + 8 + 8 * (kNTileSlots + slot); };
+    volatile int* tile_slots = reinterpret_cast<volatile int*>(smem + Traits::kSmemTileBytes + 8 * Traits::kNMbarriers);
 
     const int tid = threadIdx.x;
     const int seqlen_q = params.seqlen_q;
     const int seqlen_k = params.seqlen_k;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
 
-    // Thread 0 initialises the barriers, claims tiles and loads each tile's head (Q and its first K/V tiles); the
-    // rest of the K/V tiles (load_ahead) come from stream_loader (the header says which). Each load is one TMA per
-    // 64-column block and arms its "full" barrier with its bytes.
-    const bool loader = tid == 0;
-    const bool stream_loader = tid == (kNStages >= 3 ? (Traits::kNWarpgroups - 1) * kWarpgroupThreads : 0);
-    if (loader) {
+    // Thread 0 initialises the barriers; the producer warpgroup's first thread does every load (one TMA per 64-column
+    // block, which arms the "full" barrier with its bytes) and claims the tiles.
+    if (tid == 0) {
         prefetch_tensor_map(&maps.q);
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
         mbarrier_init(full_q, 1);
-        mbarrier_init(empty_q, kNThreads);  // one arrival per thread: its tile's last S read Q
+        mbarrier_init(empty_q, kNConsumerThreads);  // one arrival per consumer thread: its tile's last S read Q
         for (int stage = 0; stage < kNStages; ++stage) {
-            mbarrier_init(full_k(stage), 1);  // the loader's arrival, plus the tile's bytes
+            mbarrier_init(full_k(stage), 1);  // the producer's arrival, plus the tile's bytes
             mbarrier_init(full_v(stage), 1);
-            mbarrier_init(empty_k(stage), kNThreads);  // one arrival per thread: its wgmmas read the stage
-            mbarrier_init(empty_v(stage), kNThreads);
+            mbarrier_init(empty_k(stage), kNConsumerThreads);  // one arrival per consumer thread: its wgmmas read it
+            mbarrier_init(empty_v(stage), kNConsumerThreads);
+        }
+        for (int slot = 0; slot < kNTileSlots; ++slot) {
+            mbarrier_init(full_tile(slot), 1);                   // the producer wrote the slot
+            mbarrier_init(empty_tile(slot), kNConsumerThreads);  // every consumer thread read it
         }
         fence_mbarrier_init();
     }
@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // The stages run on across tiles: K/V tile n_block of a tile whose first K/V tile is this block's kv_base-th
     // has running index kv = kv_base + n_block, lives in stage kv % kNStages and completes its barriers' phase
     // kv / kNStages.
-    // (Loader only.) K or V tile n_block of (head_k, batch), running index kv, once every warpgroup released the
-    // tile its stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers.
+    // (Producer.) K or V tile n_block of (head_k, batch), running index kv, once every consumer released the tile its
+    // stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers.
     auto load = [&](const CUtensorMap* map, uint32_t stage_tiles, uint32_t full, uint32_t empty, int kv, int n_block,
                     int head_k, int batch) {
         const int stage = kv % kNStages;
@@ -132,17 +132,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const int n = ceil_div(seqlen_k, kBlockN);
         return kIsCausal ? min(n, ceil_div(row0 + kBlockM + causal_offset, kBlockN)) : n;
     };
-    // (Loader only.) The block's tile_iter-th tile's Q, K_0 .. K_{kNStages-2} and V_0 .. V_{kNStages-3}; Q once
-    // every thread's last S of the tile before is done reading it (full_q and empty_q complete phase tile_iter
-    // for the tile_iter-th tile).
-    auto load_tile_head = [&](int tile, int tile_iter, int kv_base) {
-        const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, tile);
-        const int row0 = fwd_block_rows<kBlockM>(tiles, c.block, seqlen_q).row0;
-        const int n_block_max = key_blocks(row0), head_k = tiles.q_per_kv_head.div(c.head);
-        if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
-        tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, row0, c.head, c.batch, full_q);
-        for (int j = 0; j < kNStages - 1 && j < n_block_max; ++j) load_k(kv_base + j, j, head_k, c.batch);
-        for (int j = 0; j < kNStages - 2 && j < n_block_max; ++j) load_v(kv_base + j, j, head_k, c.batch);
+    // The producer warpgroup: its first thread publishes each tile to the consumers, then loads it: K_0, Q (once the
+    // tile before released it), then V_0, K_1, V_1, ... as their stages free up. Issue order per stage is kv order,
+    // so each wait is at most one phase ahead, and the consumers never wait for a load issued after one of these
+    // waits for them. It claims the next causal tile once this one is loaded, about kNStages turns
+    // before the consumers finish it: claims come in about the order the SMs free up, as the hardware would hand
+    // out whole blocks (claiming a whole tile ahead measured 4-7% slower at hd128 in v16). Its other 127 threads
+    // only hand their registers back.
+    if (tid >= kNConsumerThreads) {
+        setmaxnreg_dec<Traits::kProducerRegs>();
+        if (tid != kNConsumerThreads) return;
+        int kv = 0;  // K/V tiles loaded before the current tile
+        for (int tile = blockIdx.x, tile_iter = 0;; ++tile_iter) {
+            const int slot = tile_iter % kNTileSlots;
+            if (tile_iter >= kNTileSlots) mbarrier_wait(empty_tile(slot), (tile_iter / kNTileSlots - 1) & 1);
+            tile_slots[slot] = tile;
+            mbarrier_arrive(full_tile(slot));  // release: the consumers' wait (acquire) sees the slot's store
+            if (tile >= tiles.num_tiles) return;
+            const BlockCoord c = fwd_tile_coord<kIsCausal>(tiles, tile);
+            const int row0 = fwd_block_rows<kBlockM>(tiles, c.block, seqlen_q).row0;
+            const int n_block_max = key_blocks(row0), head_k = tiles.q_per_kv_head.div(c.head);
+            load_k(kv, 0, head_k, c.batch);
+            if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
+            tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, row0, c.head, c.batch, full_q);
+            for (int j = 0; j < n_block_max; ++j) {
+                if (j > 0) load_k(kv + j, j, head_k, c.batch);
+                load_v(kv + j, j, head_k, c.batch);
+            }
+            kv += n_block_max;
+            tile = fwd_next_tile<kIsCausal>(params, tile);
+        }
+    }
+    setmaxnreg_inc<Traits::kConsumerRegs>();
+
+    // A consumer reads the tile_iter-th tile's index from the producer and frees its slot.
+    auto read_tile = [&](int tile_iter) {
+        const int slot = tile_iter % kNTileSlots;
+        mbarrier_wait(full_tile(slot), (tile_iter / kNTileSlots) & 1);
+        const int t = tile_slots[slot];
+        mbarrier_arrive(empty_tile(slot));
+        return t;
     };
 
     // Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this
@@ -239,11 +268,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kNWarpgroups = Traits::kNWarpgroups;
     const int my_turn = kBarTurnWg0 + wg;
     const int next_turn = kBarTurnWg0 + (wg == kNWarpgroups - 1 ? 0 : wg + 1);
-    int tile = blockIdx.x;  // < num_tiles: the launch runs min(SMs, num_tiles) blocks
-    int next = 0;           // the tile after this one (causal: the loader's until it shares it in the last turn)
-    int kv_base = 0;        // K/V tiles this block consumed before the current tile
-    int tile_iter = 0;      // tiles this block finished before the current one
-    if (loader) load_tile_head(tile, tile_iter, kv_base);
+    int tile = read_tile(0);  // blockIdx.x < num_tiles: the launch runs min(SMs, num_tiles) blocks
+    int kv_base = 0;          // K/V tiles this block consumed before the current tile
+    int tile_iter = 0;        // tiles this block finished before the current one
     if (wg == kNWarpgroups - 1) named_barrier_arrive(kBarTurnWg0, kTurnBarThreads);
 
     while (true) {
@@ -252,25 +279,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const BlockRows rows = fwd_block_rows<kBlockM>(tiles, coord.block, seqlen_q);
         const int row0 = rows.row0;
         const int n_block_max = key_blocks(row0);
-        const int bidh_k = tiles.q_per_kv_head.div(bidh);  // GQA/MQA: the kv head of this query head
         auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
         auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
-        // Issued with stream_loader's turn j: K_{j+kNStages-1} and V_{j+kNStages-2}, into the stages of K_{j-1} and
-        // V_{j-2}.
-        auto load_ahead = [&](int n_block) {
-            if (!stream_loader) return;
-            if (n_block + kNStages - 1 < n_block_max) load_k(kv_base + n_block + kNStages - 1, n_block + kNStages - 1, bidh_k, bidb);
-            if (n_block + kNStages - 2 < n_block_max) load_v(kv_base + n_block + kNStages - 2, n_block + kNStages - 2, bidh_k, bidb);
-        };
-        // Causal: the loader claims the next tile in turn n_block_max - 2 (turn 0 of a 1-block tile), after its
-        // hand-over, and loads its head in the last turn. Claims then come in about the order the blocks finish, as
-        // the hardware would hand out whole blocks; claiming at a tile's start instead (a tile ahead) left blocks 4%
-        // apart at hd128 in the greedy-schedule model and measured 4-7% slower. Two turns (one at least) hide the
-        // atomic's latency.
-        auto claim_next = [&](int n_block) {
-            if (n_block != max(0, n_block_max - 2)) return;
-            if (!kIsCausal || loader) next = fwd_next_tile<kIsCausal>(params, tile);
-        };
 #pragma unroll
         for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.f;
         row_max[0] = row_max[1] = -INFINITY;
@@ -284,8 +294,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         issue_s(stage_of(0));
         wgmma_commit();
         named_barrier_arrive(next_turn, kTurnBarThreads);
-        claim_next(0);
-        load_ahead(0);
         wgmma_wait<0>();
         pin_registers(s);
         mbarrier_arrive(empty_k(stage_of(0)));
@@ -303,8 +311,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             issue_s(stage);
             wgmma_commit();
             named_barrier_arrive(next_turn, kTurnBarThreads);
-            claim_next(n_block);
-            load_ahead(n_block);
             wgmma_wait<0>();
             pin_registers(acc_o);
             pin_registers(s);
@@ -314,25 +320,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             softmax(n_block, row0);
         }
 
-        // Last turn: O += P_last V_last. Then the loader starts the next tile's loads, which land while the
-        // warpgroups finish this one.
+        // Last turn: O += P_last V_last. The producer has published the next tile a turn or more ago and is loading
+        // it while the warpgroups finish this one.
         const int last = stage_of(n_block_max - 1);
         mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
         named_barrier_sync(my_turn, kTurnBarThreads);
         wgmma_fence();
         issue_pv(last);
         wgmma_commit();
-        if constexpr (kIsCausal) {  // the loader shares the next tile: warpgroup 0 reads it after their barrier, the
-            if (loader) *next_tile_slot = next;  // others after their last turn's (which follow our hand-over)
-            if (wg == 0) named_barrier_sync(kBarNextTile, kWarpgroupThreads);
-            next = *next_tile_slot;
-        }
+        const int next = read_tile(tile_iter + 1);
         const bool more = next < tiles.num_tiles;
         if (wg < kNWarpgroups - 1 || more) named_barrier_arrive(next_turn, kTurnBarThreads);
-        // The next tile's Q, first K and V: they land while the warpgroups finish this tile. (A second Q stage,
-        // loaded a turn earlier, measured 1-4% slower at hd64: the loader's waits then sat before warpgroup 0's
-        // softmax.)
-        if (loader && more) load_tile_head(next, tile_iter + 1, kv_base + n_block_max);
         wgmma_wait<0>();
         pin_registers(acc_o);
         mbarrier_arrive(empty_v(last));
@@ -373,8 +371,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const BlockCoord c = fwd_empty_tile_coord(tiles, params, e);
         const BlockRows rows = fwd_block_rows<kBlockM>(tiles, c.block, seqlen_q);
         const FwdOutRows<Element> out = fwd_out_rows<Element>(params, c.batch, c.head, rows.row0 + rows.first);
-        write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(out.o, params.o_row_stride, out.lse, rows.end - rows.first,
-                                                             params.d);
+        write_rows_without_keys<kBlockM, kHeadDim, kNConsumerThreads>(out.o, params.o_row_stride, out.lse,
+                                                                     rows.end - rows.first, params.d);
     }
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_kernel_traits.h)

@@ -93,8 +93,8 @@ __device__ __forceinline__ BlockCoord fwd_empty_tile_coord(const FwdTiles& t, co
     return {e % t.m_first, e / t.m_first % p.h, e / (t.m_first * p.h)};
 }
 
-// The tile this block runs after `tile`; >= num_tiles when it has none left. Causal: one thread of the block
-// calls it (an atomic per tile) and shares the answer through shared memory.
+// The tile this block runs after `tile`; >= num_tiles when it has none left. The producer warpgroup's thread calls
+// it (causal: an atomic per tile) and publishes the answer to the consumers in a tile slot.
 template <bool kIsCausal>
 __device__ __forceinline__ int fwd_next_tile(const FwdParams& p, int tile) {
     if constexpr (kIsCausal) return static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);

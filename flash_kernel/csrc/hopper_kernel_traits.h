@@ -1,10 +1,10 @@
 // Tile shapes of the Hopper (sm_90a, wgmma) forward, per head dim (issue 5, stage 2).
 //
-// A thread block is two or three warpgroups of 64 query rows each (kBlockM = 128 or 192). Each computes its
-// S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in registers, and O += P V with P as the
-// register A operand. K and V tiles of kBlockN keys stream into kNStages stages each by TMA (hopper_tma.h),
-// on full/empty mbarriers per stage. Shared memory holds Q and the K/V stages in the 128B-swizzled
-// layout of hopper_utils.cuh, then the mbarriers.
+// A thread block is two or three consumer warpgroups of 64 query rows each (kBlockM = 128 or 192) and one producer
+// warpgroup. Each consumer computes its S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in
+// registers, and O += P V with P as the register A operand. The producer streams K and V tiles of kBlockN keys into
+// kNStages stages each by TMA (hopper_tma.h), on full/empty mbarriers per stage. Shared memory holds Q and the K/V
+// stages in the 128B-swizzled layout of hopper_utils.cuh, then the mbarriers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,38 +24,47 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
 // kPolyExpEvery > 0: the softmax computes the exponentials of every kPolyExpEvery-th n8 tile of S with
 // poly_exp2 (FMA pipe) instead of ex2.approx (SFU).
-template <int kHeadDim_, int kBlockN_, int kNStages_, int kMinBlocksPerSm_, typename Element_, int kQKDim_ = kHeadDim_,
-          int kPolyExpEvery_ = 0, int kNWarpgroups_ = 2>
+template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kPolyExpEvery_ = 0,
+          int kNWarpgroups_ = 2>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kQKDim = kQKDim_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
-    static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+    static constexpr int kMinBlocksPerSm = 1;  // the launch bound that lets ptxas honour setmaxnreg
     static constexpr int kPolyExpEvery = kPolyExpEvery_;
-    // No producer warp: the launch bound of 256 threads leaves 255 registers per thread for S, O and P (~200);
-    // 288 threads would cap them at 168 (ptxas allocates for 384) and spill. Three warpgroups (384 threads, 168
-    // registers) fit where S is at most 128 keys wide and O at most 64 columns.
-    static constexpr int kNWarpgroups = kNWarpgroups_;
+    static constexpr int kNWarpgroups = kNWarpgroups_;  // consumers, 64 query rows each
     static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
-    static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
+    static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
+    static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
+    // setmaxnreg moves registers within the block's own allocation, the launch bound's even split (kEntryRegs per
+    // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
+    // share the rest, 240 each for two (S of 192 keys, O and P of hd128 take ~230) and 160 for three (hd64: 154). More
+    // for the producer would leave the consumers' inc waiting for registers that never come free.
+    static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = (kEntryRegs * (kNWarpgroups + 1) - kProducerRegs) / kNWarpgroups / 8 * 8;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemTileBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes;
-    static constexpr int kNMbarriers = 4 * kNStages + 2;  // K full, V full, K empty, V empty per stage; Q full, empty
-    // + the next tile's index (8 bytes, fwd_tile_scheduler.h) + one swizzle atom of slack: the kernel rounds the
-    // dynamic shared-memory base up to 1024 bytes.
-    static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + 8 + kSwizzleAtomBytes;
+    // K full, V full, K empty, V empty per stage; Q full, empty; full and empty per tile slot (the producer's tiles
+    // to the consumers, two ahead at most).
+    static constexpr int kNTileSlots = 2;
+    static constexpr int kNMbarriers = 4 * kNStages + 2 + 2 * kNTileSlots;
+    // + the tile slots + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
+    static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + 4 * kNTileSlots + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
-    static_assert(kNStages >= 2, "K_{j+kNStages-1} and V_{j+kNStages-2} load while turn j computes");
+    static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
     static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
+    static_assert(kConsumerRegs <= 256 && kProducerRegs + kNWarpgroups * kConsumerRegs <= kEntryRegs * (kNWarpgroups + 1),
+                  "setmaxnreg: the warpgroups' registers must fit what the block was launched with");
 };
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
@@ -64,7 +73,7 @@ struct HopperFwdTraits {
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale):
 // 3-12% faster from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they ran 2-12% slower (docs/kernel_notes.md, "v17").
-//                                                                           hd   Bc stages minBlk
+// HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups>:
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -76,23 +85,23 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // that the short block is the one with the fewest keys: with v29's loader and mask, +4 to +8% over two
     // warpgroups on 256-key blocks (128 below 2048 keys).
     // 1 exponential in 8 by polynomial balances the SFU against the issue slots the polynomial costs (v13).
-    // 121 KB; 154 registers (the launch bound of 384 threads allows 168; S of 256 keys would not fit).
-    using Traits = HopperFwdTraits<64, 128, 3, 1, E, 64, 8, 3>;
+    // 121 KB; 154 of the consumers' 160 registers (S of 256 keys would not fit).
+    using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks ran hd80 causal 3-4% slower at 4k-8k (v17).
-    using Traits = HopperFwdTraits<128, 128, 3, 1, E, 96>;
+    using Traits = HopperFwdTraits<128, 128, 3, E, 96>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
-    // Two warpgroups: O alone is 64 registers of the 168 that three would leave.
-    using Traits = HopperFwdTraits<128, 192, 2, 1, E>;       // 225 KB of shared memory; 234 registers
-    using ShortTraits = HopperFwdTraits<128, 128, 3, 1, E>;  // 225 KB
+    // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
+    using Traits = HopperFwdTraits<128, 192, 2, E>;       // 225 KB of shared memory
+    using ShortTraits = HopperFwdTraits<128, 128, 3, E>;  // 225 KB
     static constexpr int kLongKeys = 2048;
 };
 #endif
