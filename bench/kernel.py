@@ -20,6 +20,8 @@ OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
     python bench/kernel.py --hdims 128 --causal 1 --methods sdpa_flash ours   # one part
     python bench/kernel.py --plot-only                       # redraw table + figure from the JSON
     python bench/kernel.py --inputs bthd --methods ours_sm80 sdpa_flash   # the same tensors for both
+    python bench/kernel.py --hdims 128 --causal 1 --seqlens 2048 --methods ours sdpa_cudnn --rounds 5 --rep-ms 30
+                                                             # in turn, 5 times per mode: ratios that clock drift spares
 
 Parts merge into bench/results/kernel.json (one entry per device, inputs, method, hd, causal, T, mode), so a
 benchmark can be run in pieces that each fit a short GPU allocation. The figure goes to
