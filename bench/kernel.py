@@ -211,6 +211,8 @@ def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[f
     method of a case alive) do not count."""
     q, k, v, do = tensors
     leaves = [q, k, v]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # before bwd's forward too: the graph it keeps counts, as it always did
     if mode == "fwd":
         step = fn
     elif mode == "bwd":
@@ -224,7 +226,6 @@ def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[f
             fn().backward(do)
 
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
