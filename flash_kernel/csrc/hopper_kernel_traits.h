@@ -40,7 +40,7 @@ struct HopperFwdTraits {
     static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
     // setmaxnreg moves registers within the block's own allocation, the launch bound's even split (kEntryRegs per
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
-    // share the rest, 240 each for two (S of 192 keys, O and P of hd128 take ~230) and 160 for three (hd64: 154). More
+    // share the rest, 240 each for two (hd128's kernels used 234 before v30) and 160 for three (hd64: 154). More
     // for the producer would leave the consumers' inc waiting for registers that never come free.
     static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = 24;

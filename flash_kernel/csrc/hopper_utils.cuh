@@ -96,10 +96,11 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// setmaxnreg (sm_90a): a warpgroup gives registers back to the SM's pool (dec) or waits to take them (inc), so a
-// producer warpgroup can run on few and the consumers on more than the launch bound's even split. ptxas honours it
-// only with a launch bound that fixes the entry count (__launch_bounds__ with a minimum of blocks per SM); every
-// warp of the warpgroup must execute it, and the counts must fit the register file or inc waits for ever.
+// setmaxnreg (sm_90a): a warpgroup gives registers back to its block's pool (dec) or waits to take them from it (inc),
+// so a producer warpgroup can run on few and the consumers on more than the launch bound's even split. ptxas honours
+// it only with a launch bound that fixes the entry count (__launch_bounds__ with a minimum of blocks per SM); every
+// warp of the warpgroup must execute it, and the counts must fit what the block was launched with, or inc waits for
+// ever.
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
     static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: a multiple of 8 in [24, 256]");
