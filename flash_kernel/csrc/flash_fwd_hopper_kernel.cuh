@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const uint32_t sQ = smem_addr(smem);                              // swizzled kBlockM x kHeadDim
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
-    const uint32_t bars = sQ + Traits::kSmemTileBytes;                // [4][kNStages] + 2 mbarriers of 8 bytes
+    const uint32_t bars = sQ + Traits::kSmemTileBytes;                // Traits::kNMbarriers mbarriers of 8 bytes
     const uint32_t full_q = bars + 8 * 4 * kNStages;
     const uint32_t empty_q = full_q + 8;
     auto full_k = [&](int stage) { return bars + 8 * stage; };
