@@ -248,6 +248,63 @@ def _free():
     torch.cuda.empty_cache()
 
 
+def _set_up(group: list[str], base0: dict, args, dtype) -> tuple[list, list[dict]]:
+    """The case's methods in `group`, ready to time: (base row, tensors, fn, context) each, and the rows of those that
+    ran out of memory while setting up (one per mode)."""
+    live, failed = [], []
+    for method in group:
+        base = dict(base0, method=method)
+        try:
+            tensors, fn, context = make_method(method, base0["batch"], base0["heads"], base0["seqlen"], base0["hd"],
+                                               base0["causal"], dtype, args.inputs)
+        except BackendUnsupported as e:
+            print(f"skip {method}: {e}")
+            continue
+        except torch.OutOfMemoryError:
+            failed += [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_mem_gib=None, note="") for m in args.modes]
+            _free()
+            continue
+        if method in OURS:
+            with context():
+                base.update(kernel_names(base0["hd"]))
+        live.append((base, tensors, fn, context))
+    return live, failed
+
+
+def _time_mode(mode: str, live: list, args) -> list[dict]:
+    """One row per live method: each timed args.rounds times in turn (a method that fails stops there); ms is the
+    median of its rounds."""
+    rows = [dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="") for base, *_ in live]
+    times = [[] for _ in live]
+    for _ in range(args.rounds):
+        for row, ms_list, (_, tensors, fn, context) in zip(rows, times, live):
+            if row["status"] != "ok":
+                continue
+            try:
+                with context():
+                    ms, peak = run_mode(mode, tensors, fn, args.warmup_ms, args.rep_ms)
+                ms_list.append(ms)
+                row["peak_mem_gib"] = max(peak, row["peak_mem_gib"] or 0.0)
+            except torch.OutOfMemoryError:
+                row["status"] = "OOM"
+            except RuntimeError as e:
+                row["status"] = "n/a" if _is_unsupported(e) else "error"
+                row["note"] = str(e).splitlines()[0][:200]
+            for t in tensors[:3]:
+                t.grad = None
+            _free()
+    for row, ms_list in zip(rows, times):
+        if row["status"] != "ok":
+            row["peak_mem_gib"] = None
+            continue
+        row["ms"] = statistics.median(ms_list)
+        flops = attention_flops(row["batch"], row["heads"], row["seqlen"], row["hd"], row["causal"], mode)
+        row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        if args.rounds > 1:
+            row["ms_rounds"] = ms_list
+    return rows
+
+
 def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]:
     """Every requested case; on_progress(results so far) after each sequence length, so that a run stopped
     by its allocation's time limit keeps what it measured. With args.rounds > 1 every method of a case stays
@@ -255,8 +312,6 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
     rounds (all of them in ms_rounds), so a clock that drifts over the case (the H100's power cap) moves every
     method alike instead of whichever ran last."""
     results = []
-    dtype = torch.bfloat16
-    rounds = getattr(args, "rounds", 1)
     for head_dim in args.hdims:
         for causal in args.causal:
             for seqlen in args.seqlens:
@@ -266,52 +321,11 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                     "seqlen": seqlen, "batch": batch, "heads": heads, "dtype": "bf16",
                 }  # fmt: skip
                 # One case's methods: all alive at once with --rounds, else one after another.
-                groups = [args.methods] if rounds > 1 else [[m] for m in args.methods]
-                for group in groups:
-                    live = []  # (base, tensors, fn, context) per method that could be set up
-                    for method in group:
-                        base = dict(base0, method=method)
-                        try:
-                            tensors, fn, context = make_method(method, batch, heads, seqlen, head_dim, causal, dtype, args.inputs)
-                        except BackendUnsupported as e:
-                            print(f"skip {method}: {e}")
-                            continue
-                        except torch.OutOfMemoryError:
-                            results += [dict(base, mode=m, status="OOM", ms=None, tflops=None, peak_mem_gib=None, note="") for m in args.modes]
-                            _free()
-                            continue
-                        if method in OURS:
-                            with context():
-                                base.update(kernel_names(head_dim))
-                        live.append((base, tensors, fn, context))
+                for group in [args.methods] if args.rounds > 1 else [[m] for m in args.methods]:
+                    live, failed = _set_up(group, base0, args, torch.bfloat16)
+                    results += failed
                     for mode in args.modes:
-                        rows = [dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="") for base, *_ in live]
-                        times = [[] for _ in live]
-                        for _ in range(rounds):
-                            for row, ms_list, (base, tensors, fn, context) in zip(rows, times, live):
-                                if row["status"] != "ok":
-                                    continue
-                                try:
-                                    with context():
-                                        ms, peak = run_mode(mode, tensors, fn, args.warmup_ms, args.rep_ms)
-                                    ms_list.append(ms)
-                                    row["peak_mem_gib"] = max(peak, row["peak_mem_gib"] or 0.0)
-                                except torch.OutOfMemoryError:
-                                    row["status"] = "OOM"
-                                except RuntimeError as e:
-                                    row["status"] = "n/a" if _is_unsupported(e) else "error"
-                                    row["note"] = str(e).splitlines()[0][:200]
-                                for t in tensors[:3]:
-                                    t.grad = None
-                                _free()
-                        for row, ms_list in zip(rows, times):
-                            if row["status"] == "ok":
-                                row["ms"] = statistics.median(ms_list)
-                                row["tflops"] = attention_flops(batch, heads, seqlen, head_dim, causal, mode) / (row["ms"] * 1e-3) / 1e12
-                                if rounds > 1:
-                                    row["ms_rounds"] = ms_list
-                            else:
-                                row["peak_mem_gib"] = None
+                        for row in _time_mode(mode, live, args):
                             results.append(row)
                             print(f"hd={head_dim:<3} causal={int(causal)} T={seqlen:<5} {row['method']:<15} {mode:<8} {_shown(row)}", flush=True)
                     del live
