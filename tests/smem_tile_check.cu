@@ -1,10 +1,12 @@
 // Host-side check of flash_kernel/csrc/smem_tile.h, compiled and run by tests/test_smem_tile.py: for each layout,
 // every element has its own slot inside its row; ldmatrix's 8 rows are free of bank conflicts; a warp's 512-byte
 // cp.async request fills whole 128-byte lines (swizzled); SmemTile::step lands where index() says, over the walks
-// the kernels make. And the same for the backward's dQ staging tile (DqStageTile) and its accesses.
+// the kernels make. And the same for the backward's dQ staging tile (DqStageTile) and its accesses, and for the
+// Hopper backward's dQ tile rows (dq_accum_layout.h).
 #include <cstdio>
 #include <set>
 
+#include "dq_accum_layout.h"
 #include "host_check.h"
 #include "smem_tile.h"
 
@@ -132,6 +134,48 @@ void check_dq_stage(const char* name) {
     if (g_failures == before) std::printf("ok %s\n", name);
 }
 
+// The Hopper backward's sdQ, whose rows dq_accum shares (rows of d_rounded floats, chunk c of query q at
+// dq_accum_chunk(c, q)): every column its own slot inside its row, 16-byte chunks kept whole; a warpgroup's float2
+// stores (lane 4g + t of warp w: row 16w + g + 8r, columns col0 + 8i + 2t, col0 = 0 or 64) free of bank conflicts
+// per half-warp, the unit in which the SM serves 8-byte stores.
+void check_hopper_dq(const char* name, int d_rounded) {
+    const int before = g_failures;
+    constexpr int kRows = 64;
+    auto at = [&](int row, int col) { return row * d_rounded + 4 * flash::dq_accum_chunk(col / 4, row) + col % 4; };
+    for (int row = 0; row < kRows; ++row) {
+        std::set<int> seen;
+        for (int col = 0; col < d_rounded; ++col) {
+            const int i = at(row, col);
+            CHECK(i / d_rounded == row, "(%d, %d) -> %d leaves its row", row, col, i);
+            CHECK(seen.insert(i).second, "(%d, %d) -> %d is taken", row, col, i);
+            CHECK(i % 4 == col % 4, "(%d, %d) -> %d splits a 16-byte chunk", row, col, i);
+        }
+    }
+    for (int col0 = 0; col0 < d_rounded; col0 += 64) {
+        for (int warp = 0; warp < 4; ++warp) {
+            for (int r = 0; r < 2; ++r) {
+                for (int i = 0; i < 8; ++i) {
+                    for (int half = 0; half < 2; ++half) {
+                        std::set<int> banks;
+                        int words = 0;
+                        for (int lane = 16 * half; lane < 16 * half + 16; ++lane) {
+                            const int row = 16 * warp + lane / 4 + 8 * r, col = col0 + 8 * i + 2 * (lane % 4);
+                            if (col >= d_rounded) continue;  // hd96's second warpgroup: columns past d_rounded stay out
+                            banks.insert(at(row, col) % 32);
+                            banks.insert(at(row, col + 1) % 32);
+                            words += 2;
+                        }
+                        CHECK(static_cast<int>(banks.size()) == words,
+                              "store of n8 tile %d from column %d, warp %d, rows +%d, half-warp %d: %zu banks for %d words",
+                              i, col0, warp, 8 * r, half, banks.size(), words);
+                    }
+                }
+            }
+        }
+    }
+    if (g_failures == before) std::printf("ok %s\n", name);
+}
+
 int main() {
     check<SmemTile<32>>("padded 32");
     check<SmemTile<96>>("padded 96");
@@ -141,5 +185,8 @@ int main() {
     check<SmemTile<128>>("swizzled 128");
     check<SmemTile<256>>("swizzled 256");
     check_dq_stage<32>("dq stage 32");
+    check_hopper_dq("hopper dq 64", 64);
+    check_hopper_dq("hopper dq 96", 96);
+    check_hopper_dq("hopper dq 128", 128);
     return g_failures == 0 ? 0 : 1;
 }

@@ -33,6 +33,7 @@
 
 #include <cmath>
 
+#include "dq_accum_layout.h"  // dq_accum_chunk: the Hopper backward's dq_accum rows
 #include "flash_params.h"
 #include "kernel_traits.h"
 #include "utils.cuh"
@@ -117,14 +118,6 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
         }
     }
 }
-
-// Where the Hopper backward's dq_accum keeps a row's 16-byte chunk c (columns 4c .. 4c + 3) of query q: at chunk
-// c ^ (q % 8). Its dQ tiles reach dq_accum by the TMA unit's bulk reduce, which adds a tile's bytes as they lie
-// in shared memory, and there the chunks are swizzled by row so that the accumulators' float2 stores (8 rows x
-// 2 chunks per warp instruction) fall on every bank once (flash_bwd_hopper_kernel.cuh). A row of d_rounded
-// floats is a whole number of 8-chunk groups (d_rounded 64, 96 or 128), which the XOR stays inside. The sm80
-// kernel's dq_accum is plain row-major.
-__host__ __device__ __forceinline__ int dq_accum_chunk(int c, int q) { return c ^ (q % 8); }
 
 // dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides; 8
 // columns (two float4 loads per split, one 16-byte store) per thread and step. kSwizzledChunks: dq_accum in the

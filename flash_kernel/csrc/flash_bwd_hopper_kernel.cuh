@@ -4,7 +4,8 @@
 // flash_bwd_tiled_kernel; the preprocess (D) and dQ-convert kernels around it are the same too.
 //
 // Per thread block: K_j, V_j (kBlockN = 128 keys); warpgroup wg owns keys [64 wg, 64 wg + 64). Per query block
-// i (kBlockM queries; Q_i and dO_i by TMA, L_i and D_i by cp.async, double-buffered one block ahead):
+// i (kBlockM queries; Q_i and dO_i by TMA, L_i and D_i by cp.async, in two stages: block i+2 is loaded into block
+// i's stage once iteration i is over):
 //   line 11  S^T  = K_wg Q_i^T        ss: A = K rows (K-major), B = Q_i (K-major)        64 x kBlockM, registers
 //   line 14  dP^T = V_wg dO_i^T       ss: A = V rows (K-major), B = dO_i (K-major)       64 x kBlockM, registers
 //            (one wgmma group each: the softmax recompute of P^T runs while dP^T is on the tensor cores)
@@ -16,7 +17,9 @@
 //   line 16  dQ_i += dS_i K_j          ss: A = dS^T read M-major (transposed by the instruction), B = K (N-major);
 //            each warpgroup 64 queries x kDqCols over all 128 keys (hopper_bwd_traits.h), staged in shared
 //            memory (fp32) and added into dq_accum by one bulk reduce of the TMA unit, issued by iteration i+1
-//            once its S^T and dP^T are on the tensor cores (or after the loop).
+//            once its dP^T is on the tensor cores (or after the loop).
+// At kBlockM = 64 (kIssueNextSEarly) S^T_{i+1} is issued at the end of iteration i, after the dQ_i stores, so the
+// barrier that closes the iteration and the next block's loads run under a matmul.
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
@@ -69,8 +72,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + kNStages * kBlockM;  // [kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled by row
+    const uint32_t sdQ_addr = smem_addr(sdQ);
     constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (d_rounded)
-    const uint32_t full_kv = smem_addr(sdQ) + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
+    const uint32_t full_kv = sdQ_addr + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
     const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
@@ -111,8 +115,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     __syncthreads();
 
     // Alg. 2 line 10: Q_i and dO_i by TMA (loader; rows past Tq come back as zeros), L_i and D_i by 4-byte
-    // cp.async (load_lse_delta, flash_bwd_common.cuh). Nothing waits for them until the next iteration's first
-    // barrier.
+    // cp.async (load_lse_delta, flash_bwd_common.cuh). Issued two query blocks ahead (one per stage); S^T waits
+    // for Q_i's mbarrier, the softmax for L_i and D_i behind the barrier that ends the iteration before.
     auto load_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         if (loader) {
@@ -125,30 +129,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // dQ_i of query block m_block, staged in sdQ, added into dq_accum by the TMA unit: one bulk reduce-add of the
     // tile's rows (as many as Tq has) from thread 0, in the chunk-swizzled layout that dq_accum shares with sdQ
-    // (dq_accum_chunk, flash_bwd_common.cuh). The threads' own adds (v7-v17: 16-byte red.global.add from sdQ,
+    // (dq_accum_chunk, dq_accum_layout.h). The threads' own adds (v7-v17: 16-byte red.global.add from sdQ,
     // split around the tensor-core windows) took issue slots and LSU bandwidth from the softmax's warps; this
     // runs the backward 4-11% faster (docs/kernel_notes.md, "v18"). Thread 0 waits for the reduce's
     // shared-memory reads before the barrier that precedes the next sdQ stores.
     auto reduce_dq = [&](int m_block) {
         if (tid == 0) {
             const int row0 = m_block * kBlockM;
-            bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, smem_addr(sdQ),
+            bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, sdQ_addr,
                                 min(kBlockM, seqlen_q - row0) * kDqRow * static_cast<int>(sizeof(float)));
             bulk_commit_group();
         }
     };
-
-    // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros).
-    if (m_block_min < m_block_max) {
-        if (loader) {
-            prefetch_tensor_map(&maps.k);
-            prefetch_tensor_map(&maps.v);
-            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, key0, bidh_k, bidb, full_kv);
-            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, key0, bidh_k, bidb, full_kv);
-        }
-        load_q_do(m_block_min, 0);
-        mbarrier_wait(full_kv, 0);
-    }
 
     float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
 #pragma unroll
@@ -166,25 +158,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint64_t desc_kt = make_smem_desc_sw128(sK + (dq_col0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
                                                   kSwizzleAtomBytes);
 
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-        const int iter = m_block - m_block_min;
-        const int stage = iter % kNStages;
-        // Stage `stage` landed (the TMA bytes, this thread's cp.asyncs, then everyone's); every wgmma of
-        // iteration i-1 completed before its end, so the other stage and sdS are free.
+    // Line 11, S^T = K Q_i^T, as one wgmma group, once Q_i of `stage` (the iter-th query block) has landed.
+    float s[kBlockM / 2];  // S^T, then P^T (kIssueNextSEarly: S^T_i issued by iteration i-1, or before the loop)
+    auto issue_s = [&](int iter, int stage) {
         mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
-        cp_async_wait<0>();
-        __syncthreads();
-        if (m_block + 1 < m_block_max) load_q_do(m_block + 1, stage ^ 1);
-
-        const uint32_t sQ_st = sQ + stage * Traits::kSmemQBytes, sdO_st = sdO + stage * Traits::kSmemQBytes;
-        const float* sLse_st = sLse + stage * kBlockM;
-        const float* sDelta_st = sDelta + stage * kBlockM;
-        const int query0 = m_block * kBlockM;
-
-        // Lines 11 and 14: S^T = K Q_i^T, dP^T = V dO_i^T, two groups.
-        float s[kBlockM / 2], dp[kBlockM / 2];
-        const uint64_t desc_q = make_smem_desc_sw128(sQ_st, 16, kSwizzleAtomBytes);
-        const uint64_t desc_do = make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes);
+        const uint64_t desc_q = make_smem_desc_sw128(sQ + stage * Traits::kSmemQBytes, 16, kSwizzleAtomBytes);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
@@ -192,6 +170,44 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                     desc_advance(desc_q, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
         }
         wgmma_commit();
+    };
+
+    // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros), and the first two query blocks.
+    if (m_block_min < m_block_max) {
+        if (loader) {
+            prefetch_tensor_map(&maps.k);
+            prefetch_tensor_map(&maps.v);
+            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, key0, bidh_k, bidb, full_kv);
+            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, key0, bidh_k, bidb, full_kv);
+        }
+        load_q_do(m_block_min, 0);
+        if (m_block_min + 1 < m_block_max) load_q_do(m_block_min + 1, 1);
+        mbarrier_wait(full_kv, 0);
+        cp_async_wait<0>();
+        __syncthreads();  // L_i and D_i of both stages visible to every thread
+        if constexpr (Traits::kIssueNextSEarly) {
+            issue_s(0, 0);
+            wgmma_wait<0>();
+            pin_registers(s);
+        }
+    }
+
+    // Per query block the tensor cores see, in order: S^T_i (here, unless kIssueNextSEarly: then at the end of the
+    // iteration before), dP^T_i; dV_j and dK_j; dQ_i. One block barrier in the middle (dS^T complete in sdS for
+    // dQ_i) and one at the end (dQ_i complete in sdQ for the reduce; this stage free for block i+2).
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        const int iter = m_block - m_block_min;
+        const int stage = iter % kNStages;
+        const uint32_t sQ_st = sQ + stage * Traits::kSmemQBytes, sdO_st = sdO + stage * Traits::kSmemQBytes;
+        const float* sLse_st = sLse + stage * kBlockM;
+        const float* sDelta_st = sDelta + stage * kBlockM;
+        const int query0 = m_block * kBlockM;
+
+        // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
+        if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
+        float dp[kBlockM / 2];
+        const uint64_t desc_do = make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes);
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
             Wgmma<Element, kBlockM>::template ss<0>(dp, desc_advance(desc_v, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
@@ -199,13 +215,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         wgmma_commit();
 
-        // Iteration i-1's dQ tile, staged in shared memory before this iteration's first barrier.
+        // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1.
         if (m_block > m_block_min) reduce_dq(m_block - 1);
 
         // Line 12 while dP^T runs: mask keys past Tk (zero-filled K rows would give P = exp(-L), which can
         // overflow) and, on diagonal blocks, keys a query may not see; then P^T = exp2(S^T scale log2e - L log2e).
-        wgmma_wait<1>();
-        pin_registers(s);
+        if constexpr (!Traits::kIssueNextSEarly) {
+            wgmma_wait<1>();
+            pin_registers(s);
+        }
         if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset)) {
 #pragma unroll
             for (int i = 0; i < kNTilesM; ++i) {
@@ -241,7 +259,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - sDelta_st[i * kMmaN + 2 * t + (e & 1)]);
         }
         // dS^T as the register A operand of line 17, and into shared memory for line 16 (keys x queries;
-        // iteration i-1's dQ reads of sdS completed before this iteration's first barrier).
+        // iteration i-1's dQ reads of sdS completed before the barrier that closed it).
 #pragma unroll
         for (int kk = 0; kk < kKStepsM; ++kk) {
 #pragma unroll
@@ -297,13 +315,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int i = 0; i < kNTilesDq; ++i) {
                 const int col = dq_col0 + i * kMmaN + 2 * t;
-                if (col < kDqRow) {
-                    *reinterpret_cast<float2*>(sdQ + row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4) =
-                        make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                if (col < kDqRow) {  // st.shared.v2 by asm: through a float2 pointer, nvcc split half of them in two
+                    st_shared_f32x2(sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4),
+                                    dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                 }
             }
         }
         fence_view_async_shared();
+        if (m_block + 1 == m_block_max) break;  // the barrier after the loop closes the last iteration
+        if constexpr (Traits::kIssueNextSEarly) issue_s(iter + 1, stage ^ 1);  // under the barrier below
+        // Close the iteration: sdQ holds dQ_i; every wgmma that read sdS or this stage's Q_i / dO_i completed (so
+        // the stage takes block i+2); L_{i+1} and D_{i+1} landed (this thread's cp.asyncs, then everyone's).
+        cp_async_wait<0>();
+        __syncthreads();
+        if (m_block + kNStages < m_block_max) load_q_do(m_block + kNStages, stage);
+        // S^T_{i+1} complete before the loop's back edge: where an accumulator is in flight across it, ptxas
+        // serializes every wgmma of the kernel (C7515: the loop's register moves define the accumulator).
+        if constexpr (Traits::kIssueNextSEarly) {
+            wgmma_wait<0>();
+            pin_registers(s);
+        }
     }
 
     // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them

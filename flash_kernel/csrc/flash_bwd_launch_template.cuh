@@ -68,7 +68,7 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
 
     // Alg. 2 lines 6-20: the Hopper kernel where there is one (not for the ordered deterministic splits), else
     // the sm80 kernel; then dQ = scale * sum_splits(dq_accum) -> input dtype, reading dq_accum in the layout
-    // that kernel wrote (flash_bwd_common.cuh, dq_accum_chunk).
+    // that kernel wrote (dq_accum_layout.h, dq_accum_chunk).
     if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
         static_assert(HopperBwdConfig<kHeadDim, Element>::Traits::kQKDim == kHeadDim,
                       "the Hopper kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");

@@ -63,7 +63,7 @@ struct BwdParams : public FwdParams {
     // Workspaces allocated by the caller.
     float* delta_ptr;     // (B, Hq, Tq): rowsum(dO * O), Alg. 2 line 4
     float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, d_rounded) fp32, zeroed by the preprocess kernel; the Hopper
-                          // kernel's rows hold their 16-byte chunks swizzled (flash_bwd_common.cuh, dq_accum_chunk)
+                          // kernel's rows hold their 16-byte chunks swizzled (dq_accum_layout.h, dq_accum_chunk)
     int64_t dq_accum_split_stride;  // elements between splits = B * Hq * Tq * d_rounded
 
     // Non-deterministic: one thread block per K/V block, dQ accumulated with fp32 atomics (sm80 kernel) or the

@@ -27,6 +27,9 @@ struct HopperBwdTraits {
     static constexpr int kNStages = 2;                             // Q_i / dO_i / L_i / D_i double-buffered
     // dQ: each warpgroup a (64 queries x kDqCols) tile over all kBlockN keys.
     static constexpr bool kDqSplitQueries = kBlockM == kNWarpgroups * kWarpgroupRows;
+    // S^T_{i+1} issued at the end of iteration i, so that it runs under the dQ_i stores and the closing barrier
+    // (flash_bwd_hopper_kernel.cuh). At kBlockM = 128 its 64 accumulators beside dK and dV spilled.
+    static constexpr bool kIssueNextSEarly = kBlockM == kWarpgroupRows;
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
