@@ -313,15 +313,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                     }
                 }
             }
-            // Alg. 2 line 12: P^T = exp2(S^T * scale * log2e - L * log2e).
+            // Alg. 2 line 12: P^T = exp2(S^T * scale * log2e - L * log2e). A thread's two query columns of an n8 tile
+            // are adjacent: L_i (and D_i below) read as one 8-byte pair per tile, half the shared loads of one per column.
 #pragma unroll
-            for (int mt = 0; mt < kSdpKTiles; ++mt) {
+            for (int i = 0; i < kNTilesM; ++i) {
+                const float2 lse_pair = *reinterpret_cast<const float2*>(sLse_st + sdp_q0 + i * kMmaN + 2 * t);
 #pragma unroll
-                for (int i = 0; i < kNTilesM; ++i) {
+                for (int mt = 0; mt < kSdpKTiles; ++mt) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        p[mt][i][e] = fast_exp2(
-                            fmaf(p[mt][i][e], scale_log2, -kLog2e * sLse_st[sdp_q0 + i * kMmaN + 2 * t + (e & 1)]));
+                        p[mt][i][e] = fast_exp2(fmaf(p[mt][i][e], scale_log2, -kLog2e * ((e & 1) ? lse_pair.y : lse_pair.x)));
                     }
                 }
             }
@@ -369,12 +370,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             // Alg. 2 line 15: dS^T = P^T o (dP^T - D_i).
 #pragma unroll
-            for (int mt = 0; mt < kSdpKTiles; ++mt) {
+            for (int i = 0; i < kNTilesM; ++i) {
+                const float2 delta_pair = *reinterpret_cast<const float2*>(sDelta_st + sdp_q0 + i * kMmaN + 2 * t);
 #pragma unroll
-                for (int i = 0; i < kNTilesM; ++i) {
+                for (int mt = 0; mt < kSdpKTiles; ++mt) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        ds[mt][i][e] = p[mt][i][e] * (ds[mt][i][e] - sDelta_st[sdp_q0 + i * kMmaN + 2 * t + (e & 1)]);
+                        ds[mt][i][e] = p[mt][i][e] * (ds[mt][i][e] - ((e & 1) ? delta_pair.y : delta_pair.x));
                     }
                 }
             }
