@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernel import METHODS, MODES, make_method, shape_for  # noqa: E402
+from bench.kernel import INPUTS, METHODS, MODES, make_method, shape_for  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,12 +28,14 @@ def main(argv=None) -> int:
     p.add_argument("--causal", type=int, choices=[0, 1], default=0)
     p.add_argument("--mode", choices=MODES, default="fwd")
     p.add_argument("--iters", type=int, default=3, help="calls after the warm-up call")
+    p.add_argument("--inputs", choices=INPUTS, default="native", help="what the method reads (bench/kernel.py --inputs)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
 
     batch, heads = shape_for(args.seqlen, args.hdim)
-    (q, k, v, do), fn, context = make_method(args.method, batch, heads, args.seqlen, args.hdim, bool(args.causal), torch.bfloat16)
+    (q, k, v, do), fn, context = make_method(args.method, batch, heads, args.seqlen, args.hdim, bool(args.causal), torch.bfloat16,
+                                          args.inputs)
     for _ in range(1 + args.iters):
         with context():
             if args.mode == "fwd":
@@ -43,7 +45,8 @@ def main(argv=None) -> int:
                 o.backward(do)
         q.grad = k.grad = v.grad = None
     torch.cuda.synchronize()
-    print(f"{args.method} hd{args.hdim} causal={args.causal} T={args.seqlen} B={batch} H={heads} {args.mode}: {1 + args.iters} calls")
+    print(f"{args.method} hd{args.hdim} causal={args.causal} T={args.seqlen} B={batch} H={heads} {args.mode} "
+          f"({args.inputs} inputs): {1 + args.iters} calls")
     return 0
 
 
