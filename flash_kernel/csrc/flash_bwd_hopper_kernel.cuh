@@ -158,18 +158,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint64_t desc_kt = make_smem_desc_sw128(sK + (dq_col0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
                                                   kSwizzleAtomBytes);
 
-    // Line 11, S^T = K Q_i^T, as one wgmma group, once Q_i of `stage` (the iter-th query block) has landed.
-    float s[kBlockM / 2];  // S^T, then P^T (kIssueNextSEarly: S^T_i issued by iteration i-1, or before the loop)
-    auto issue_s = [&](int iter, int stage) {
-        mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
-        const uint64_t desc_q = make_smem_desc_sw128(sQ + stage * Traits::kSmemQBytes, 16, kSwizzleAtomBytes);
+    // Lines 11 and 14 are the same product over the head dim, (64 keys of K or V) x (kBlockM rows of Q_i or dO_i)^T,
+    // both operands K-major: one wgmma group into acc.
+    auto issue_over_d = [&](float (&acc)[kBlockM / 2], uint64_t desc_kv, uint64_t desc_rows) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
-            Wgmma<Element, kBlockM>::template ss<0>(s, desc_advance(desc_k, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
-                                                    desc_advance(desc_q, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
+            Wgmma<Element, kBlockM>::template ss<0>(acc, desc_advance(desc_kv, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
+                                                    desc_advance(desc_rows, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
         }
         wgmma_commit();
+    };
+    // Line 11, S^T = K Q_i^T, once Q_i of `stage` (the iter-th query block) has landed.
+    float s[kBlockM / 2];  // S^T, then P^T (kIssueNextSEarly: S^T_i issued by iteration i-1, or before the loop)
+    auto issue_s = [&](int iter, int stage) {
+        mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
+        issue_over_d(s, desc_k, make_smem_desc_sw128(sQ + stage * Traits::kSmemQBytes, 16, kSwizzleAtomBytes));
     };
 
     // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros), and the first two query blocks.
@@ -206,14 +210,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
         if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
         float dp[kBlockM / 2];
-        const uint64_t desc_do = make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kKStepsD; ++kk) {
-            Wgmma<Element, kBlockM>::template ss<0>(dp, desc_advance(desc_v, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
-                                                    desc_advance(desc_do, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
-        }
-        wgmma_commit();
+        issue_over_d(dp, desc_v, make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes));
 
         // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1.
         if (m_block > m_block_min) reduce_dq(m_block - 1);
