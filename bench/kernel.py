@@ -7,8 +7,9 @@ flushes L2 between runs; a torch.cuda.Event loop when triton is missing); inputs
 mode so the forward is the training forward (it saves what the backward needs).
 
 Methods: naive (matmul + mask + softmax + matmul), SDPA default dispatch, SDPA forced to each backend
-(FLASH = FA2, CUDNN, EFFICIENT = mem-efficient), and ours (flash_kernel; skipped, with a note, when not
-built). `--inputs` picks what they read:
+(FLASH = FA2, CUDNN, EFFICIENT = mem-efficient), ours (flash_kernel; skipped, with a note, when not built) and
+fa4, FlashAttention-4 (PyPI flash-attn-4, `flash_attn.cute.flash_attn_func`; on Hopper it runs FlashAttention-3's
+algorithm; skipped, with a note, when `flash_attn.cute` does not import). `--inputs` picks what they read:
   native  each method its own layout: (B, H, T, D) tensors for PyTorch, (B, T, H, D) for ours (the default);
   bthd    every method the same (B, T, H, D) tensors, PyTorch's through (B, H, T, D) views of them: what the
           GPT's qkv projection produces and passes to either attention, and what the FA2 paper's benchmark
@@ -56,18 +57,20 @@ HIDDEN = 2048  # heads = HIDDEN // hd
 HEAD_DIMS = [64, 128]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "ours", "ours_sm80"]
+METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4", "ours", "ours_sm80"]
 LABELS = {
     "naive": "naive (PyTorch)",
     "sdpa": "SDPA default",
     "sdpa_flash": "SDPA FLASH (FA2)",
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_efficient": "SDPA EFFICIENT",
+    "fa4": "FlashAttention-4",
     "ours": "ours (flash_kernel)",
     "ours_sm80": "ours, sm80 kernels",
 }
 INPUTS = ["native", "bthd"]  # --inputs (module docstring); rows without the field are "native"
 OURS = ("ours", "ours_sm80")  # ours_sm80: FLASH_KERNEL_FWD=FLASH_KERNEL_BWD=sm80, the mma.sync kernels a Hopper GPU can also run
+BTHD_METHODS = (*OURS, "fa4")  # the methods that take (B, T, H, D) tensors in every --inputs kind
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
 GIB = 1024**3
@@ -109,14 +112,23 @@ def _sdpa_backend(method: str):
     }[method]
 
 
+def _fa4_function():
+    """flash_attn.cute.flash_attn_func, or BackendUnsupported saying why it does not import."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # ImportError, or the CuTe DSL failing to load its libraries
+        raise BackendUnsupported(f"flash_attn.cute (FlashAttention-4) does not import: {type(e).__name__}: {e}") from None
+    return flash_attn_func
+
+
 def inputs_of(kind: str, method: str, batch: int, heads: int, seqlen: int, head_dim: int, dtype, device=DEVICE):
     """(q, k, v, do) as the method reads them, and the leaves (q, k, v storage, requires_grad) whose .grad the
     backward fills: the same tensors unless PyTorch reads (B, H, T, D) views of (B, T, H, D) storage (bthd)."""
-    stored_bthd = kind == "bthd" or method in OURS
+    stored_bthd = kind == "bthd" or method in BTHD_METHODS
     shape = (batch, seqlen, heads, head_dim) if stored_bthd else (batch, heads, seqlen, head_dim)
     leaves = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
     do = torch.randn(shape, device=device, dtype=dtype)
-    if method in OURS or not stored_bthd:
+    if method in BTHD_METHODS or not stored_bthd:
         return (*leaves, do), leaves
     return tuple(x.transpose(1, 2) for x in (*leaves, do)), leaves
 
@@ -135,6 +147,8 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
 
         if not flash_kernel.is_available():
             raise BackendUnsupported(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
+    if method == "fa4":
+        fa4_attn = _fa4_function()
     (q, k, v, do), leaves = inputs_of(inputs, method, batch, heads, seqlen, head_dim, dtype)
     context = contextlib.nullcontext
     if method == "naive":
@@ -148,6 +162,8 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
 
         context = lambda: sdpa_kernel(_sdpa_backend(method))  # noqa: E731
         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    elif method == "fa4":
+        fn = lambda: fa4_attn(q, k, v, causal=causal)[0]  # noqa: E731  (out, lse) -> out
     elif method in OURS:
         from flash_kernel import flash_attn_func
 
@@ -412,8 +428,8 @@ def _inputs_title(inputs: str) -> str:
 
 
 def format_table(results: list[dict], device: str, inputs: str = "native") -> str:
-    """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH, ours / SDPA-default and
-    ours / cuDNN ratios (issue 5: stage 1 is FA2 parity, stage 2 cuDNN parity on Hopper)."""
+    """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH (FA2), ours / SDPA-default,
+    ours / cuDNN and ours / FlashAttention-4 ratios."""
     rows = [r for r in results if r["device"] == device and inputs_kind(r) == inputs]
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
@@ -425,13 +441,13 @@ def format_table(results: list[dict], device: str, inputs: str = "native") -> st
                 if not seqlens:
                     continue
                 out.append(f"\n### {MODE_LABELS[mode]}, hd {head_dim}, {'causal' if causal else 'non-causal'}\n")
-                header = ["T"] + [LABELS[m] for m in methods] + ["ours/FLASH", "ours/SDPA", "ours/cuDNN"]
+                header = ["T"] + [LABELS[m] for m in methods] + ["ours/FLASH", "ours/SDPA", "ours/cuDNN", "ours/FA4"]
                 out.append("| " + " | ".join(header) + " |")
                 out.append("|" + "---|" * len(header))
                 for seqlen in seqlens:
                     get = lambda m: index.get((m, head_dim, causal, seqlen, mode))  # noqa: E731
                     cells = [str(seqlen)] + [_cell(get(m)) for m in methods]
-                    cells += [_ratio(get("ours"), get(m)) for m in ("sdpa_flash", "sdpa", "sdpa_cudnn")]
+                    cells += [_ratio(get("ours"), get(m)) for m in ("sdpa_flash", "sdpa", "sdpa_cudnn", "fa4")]
                     out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -67,10 +67,10 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_table_has_ratio_columns_oom_and_na():
     table = bench.format_table(_synthetic(), DEVICE)
-    assert "ours/FLASH" in table and "ours/SDPA" in table and "ours/cuDNN" in table
+    assert "ours/FLASH" in table and "ours/SDPA" in table and "ours/cuDNN" in table and "ours/FA4" in table
     line = next(ln for ln in table.splitlines() if ln.startswith("| 2048 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[-3:] == ["0.50", "0.38", "0.25"]  # 150 / 300, 150 / 400 and 150 / 600
+    assert cells[-4:] == ["0.50", "0.38", "0.25", "-"]  # 150 / 300, 150 / 400, 150 / 600; no FA4 row
     line = next(ln for ln in table.splitlines() if ln.startswith("| 512 |"))
     assert line.rstrip(" |").endswith("| -")  # no ratio against a method that could not run
     assert "| OOM |" in table and "n/a" in table
@@ -98,17 +98,17 @@ def test_refuses_to_benchmark_on_cpu(tmp_path):
     assert not (tmp_path / "kernel.json").exists()
 
 
-@pytest.mark.parametrize("method", ["sdpa_flash", "naive", "ours_sm80"])
+@pytest.mark.parametrize("method", ["sdpa_flash", "naive", "ours_sm80", "fa4"])
 def test_inputs_native_and_bthd(method):
     B, H, T, D = 2, 3, 5, 8
     # native: each method's own contiguous layout, read directly
     (q, k, v, do), leaves = bench.inputs_of("native", method, B, H, T, D, torch.float32, device="cpu")
-    want = (B, T, H, D) if method in bench.OURS else (B, H, T, D)
+    want = (B, T, H, D) if method in bench.BTHD_METHODS else (B, H, T, D)
     assert q.shape == do.shape == want and q is leaves[0] and q.is_contiguous()
     # bthd: every method reads the same (B, T, H, D) storage; PyTorch's methods through (B, H, T, D) views of it
     (q, k, v, do), leaves = bench.inputs_of("bthd", method, B, H, T, D, torch.float32, device="cpu")
     assert all(x.shape == (B, T, H, D) and x.is_contiguous() and x.requires_grad for x in leaves)
-    if method in bench.OURS:
+    if method in bench.BTHD_METHODS:
         assert q is leaves[0] and do.shape == (B, T, H, D)
     else:
         assert q.shape == do.shape == (B, H, T, D) and not q.is_contiguous()
@@ -162,3 +162,14 @@ def test_rounds_interleave_methods_and_take_medians(monkeypatch, rounds):
     assert rows["ours"]["tflops"] == pytest.approx(flops / 2e-3 / 1e12)
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+
+
+def test_fa4_skipped_with_its_reason_when_it_does_not_import():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("flash_attn.cute imports here: the method runs instead of being skipped")
+    with pytest.raises(bench.BackendUnsupported, match=r"flash_attn\.cute \(FlashAttention-4\) does not import"):
+        bench.make_method("fa4", 1, 2, 128, 64, True, torch.bfloat16)
