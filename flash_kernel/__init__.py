@@ -22,6 +22,7 @@ from flash_kernel.interface import (
     is_available,
     unavailable_reason,
 )
+from flash_kernel import flop_count  # noqa: F401  (registers the ops' FLOP formulas with torch.utils.flop_counter)
 from flash_kernel.reference import naive_attention, reference_attn_func, reference_bwd, reference_fwd
 
 __all__ = [

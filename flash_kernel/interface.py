@@ -31,6 +31,7 @@ import math
 from types import ModuleType
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8  # 16-byte vector loads of fp16/bf16; the kernel rounds head dims up to its tile inside
@@ -384,11 +385,13 @@ class _EagerFlashAttentionQKVPacked(torch.autograd.Function):
 
 
 def _apply(op, eager_fn, tensors, head_dim: int, causal: bool, softmax_scale, deterministic: bool) -> torch.Tensor:
-    """The op under torch.compile (traced through its fake impl and registered autograd), else eager_fn."""
+    """The op under torch.compile (traced through its fake impl and registered autograd) or a dispatch mode,
+    else eager_fn."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     args = (*tensors, float(softmax_scale), bool(causal), bool(deterministic))
-    if torch.compiler.is_compiling():
+    # Dispatch modes (FlopCounterMode, FakeTensorMode) see the ops, not the eager path's direct kernel calls.
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return op(*args)[0]
     return eager_fn.apply(*args)
 

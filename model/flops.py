@@ -4,10 +4,16 @@ FA2 paper section 4.3 (following PaLM, appendix B): one training token costs
 
     6·N + 12·L·d·T  FLOPs
 
-with N the parameters that take part in matmuls (per block 12·d² for qkv, proj and the 4d MLP; the
-output head V·d, counted once since it is tied to the token embedding; position embeddings, LayerNorms
-and biases excluded), L layers, d = d_model and T the sequence length. The attention term is NOT halved
-for causal masking: MFU compares against the dense work, as the paper's tables do.
+with N the parameters that take part in matmuls, L layers, d = d_model and T the sequence length. N counts
+what the model's matmuls really hold, for every option of model/gpt.py: per block the qkv projection
+d·(H + 2·Hkv)·D (grouped-query attention shrinks its k and v parts), the output projection d², the MLP's
+2·d·d_ff (GELU: fc, proj) or 3·d·d_ff (SwiGLU: gate, up, down); plus the output head V·d, counted once since it
+is tied to the token embedding. Position embeddings, norms, biases, RoPE and the activations are excluded.
+12·L·d·T is the attention core's QKᵀ and PV, forward (4·T·d) and backward (8·T·d) per token: every query
+head attends, so GQA leaves it unchanged, and it is NOT halved for causal masking: MFU compares against the
+dense work, as the paper's tables do. torch.utils.flop_counter counts the same on a model whose attention is
+explicit matmuls (attention=naive; tests/test_flops.py); fused attention's backward also counts its recompute
+of QKᵀ (flash_kernel/flop_count.py).
 
 MFU = achieved FLOP/s per GPU / the GPU's peak dense FLOP/s at the compute dtype. Lightning's own peak
 table returns None for 'NVIDIA H200', so the recipe keeps its own, matched on the device name, and the
@@ -22,15 +28,16 @@ from model.gpt import GPTConfig
 
 
 def matmul_params(cfg: GPTConfig) -> int:
-    """N: weights that enter a matmul. Biases, LayerNorms and position embeddings do not."""
-    d = cfg.d_model
-    per_block = 3 * d * d + d * d + 2 * cfg.mlp_ratio * d * d  # qkv, proj, fc, mlp proj = 12·d² at ratio 4
-    return cfg.n_layer * per_block + cfg.padded_vocab_size * d  # + tied head, once
+    """N: weights that enter a matmul. Biases, norms and position embeddings do not."""
+    d, D = cfg.d_model, cfg.head_dim
+    attention = d * (cfg.n_head + 2 * cfg.kv_heads) * D + cfg.n_head * D * d  # qkv, proj
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.ffn_dim  # [gate,] up, down
+    return cfg.n_layer * (attention + mlp) + cfg.padded_vocab_size * d  # + tied head, once
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
-    """Training (forward + backward) FLOPs per token: 6·N + 12·L·d·T."""
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.d_model * seq_len
+    """Training (forward + backward) FLOPs per token: 6·N + 12·L·d·T, d = H·D the query heads' width."""
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
 # Dense (no sparsity) tensor-core peaks in TFLOP/s, from the vendors' datasheets, for 16-bit inputs with

@@ -1,9 +1,19 @@
-"""A GPT-2/GPT-3 style decoder (Radford et al. 2019; Brown et al. 2020, Table 2.1 shapes).
+"""A decoder-only transformer: GPT-2/GPT-3 (Radford et al. 2019; Brown et al. 2020, Table 2.1 shapes) by
+default, and the pieces of current open models (Llama, Touvron et al. 2023) as config options.
 
-Token + learned position embeddings, pre-LayerNorm blocks with a fused qkv projection and a GELU MLP,
-a final LayerNorm, and an output head tied to the token embedding. The attention core is pluggable
-(model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused projection: no transpose,
-no copy (DESIGN.md, "Interfaces").
+Token embeddings, pre-norm blocks with a fused qkv projection, a final norm, and an output head tied to the
+token embedding. Each option's default is GPT-3's:
+
+- n_kv_head: key/value heads; fewer than n_head is grouped-query attention (GQA, Ainslie et al. 2023), one is
+  multi-query attention (Shazeer 2019). The fused projection produces H query heads then Hkv key and Hkv value
+  heads, and the attention receives them unrepeated.
+- pos_emb: learned position embeddings, or rotary embeddings on q and k (RoPE, Su et al. 2021; the
+  rotate-half form of GPT-NeoX) with base rope_base.
+- norm: LayerNorm, or RMSNorm (Zhang & Sennrich 2019). mlp: GELU, or SwiGLU (Shazeer 2020), whose gate and
+  up projections are one matmul. bias: biases in every Linear and LayerNorm.
+
+The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
+projection (DESIGN.md, "Interfaces"). A KVCache makes the forward incremental for generation.
 """
 
 from __future__ import annotations
@@ -21,12 +31,23 @@ from model.attention import check_attention_supported, get_attention, get_qkvpac
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
 VOCAB_MULTIPLE = 64
 INIT_STD = 0.02  # GPT-2 initialisation
+POS_EMBS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+
+
+class ModelConfigError(ValueError):
+    """A model config that cannot be built; the message names the model.* key to change."""
+
+
+class ContextLengthError(ValueError):
+    """More tokens than the model's context (seq_len) holds."""
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int = 50257  # the tokenizer's; the model pads it up to VOCAB_MULTIPLE
-    seq_len: int = 1024  # context length the position embedding can hold
+    seq_len: int = 1024  # context length (the position embedding's size when pos_emb is learned)
     n_layer: int = 12
     n_head: int = 12
     d_model: int = 768
@@ -38,10 +59,30 @@ class GPTConfig:
     # Under autocast the residual stream runs in the autocast dtype (bf16), as Megatron-LM's default
     # (fp32_residual_connection=False); true keeps it in fp32, as autocast alone would (fp32 embeddings).
     fp32_residual: bool = False
+    n_kv_head: int | None = None  # key/value heads; None: n_head (multi-head attention)
+    pos_emb: str = "learned"  # learned | rope
+    rope_base: float = 10000.0  # RoPE's θ: channel pair i turns by position · θ^(-2i/D)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu | swiglu
+    d_ff: int | None = None  # MLP hidden width; None: mlp_ratio · d_model
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+            raise ModelConfigError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ModelConfigError(
+                f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}: each key/value "
+                f"head serves a whole group of query heads; pick n_kv_head among the divisors of {self.n_head}"
+            )
+        for key, value, valid in (("pos_emb", self.pos_emb, POS_EMBS), ("norm", self.norm, NORMS), ("mlp", self.mlp, MLPS)):
+            if value not in valid:
+                raise ModelConfigError(f"model.{key}={value!r} is not one of {', '.join(valid)}")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ModelConfigError(
+                f"model.pos_emb=rope rotates pairs of channels, so the head dim must be even, but "
+                f"d_model/n_head = {self.d_model}/{self.n_head} = {self.head_dim}; change model.n_head or model.d_model"
+            )
         check_attention_supported(self.attention, self.head_dim)
 
     @property
@@ -49,8 +90,22 @@ class GPTConfig:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or self.mlp_ratio * self.d_model
+
+    @property
     def padded_vocab_size(self) -> int:
         return math.ceil(self.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _norm_in_input_dtype(norm, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
+    """norm(x, *params) outside autocast, with the params cast to x's dtype (see LayerNorm)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return norm(x, *(p.to(x.dtype) if p is not None else None for p in params))
 
 
 class LayerNorm(nn.LayerNorm):
@@ -66,30 +121,94 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
             return super().forward(x)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        with torch.autocast(x.device.type, enabled=False):
-            return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), bias, self.eps)
+        return _norm_in_input_dtype(
+            lambda x, w, b: F.layer_norm(x, self.normalized_shape, w, b, self.eps), x, self.weight, self.bias
+        )
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm that returns its input's dtype, as LayerNorm above: a bf16 input with an fp32 weight would
+    miss PyTorch's fused kernel (which accumulates in fp32 for a bf16 input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return _norm_in_input_dtype(lambda x, w: F.rms_norm(x, self.normalized_shape, w, self.eps), x, self.weight)
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's rotation for each position: cos and sin, each (T, D/2), computed in fp32 and returned in `dtype`."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, H, D) by position: channel i pairs with i + D/2 (GPT-NeoX's rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, H, D)
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for incremental decoding: each forward appends
+    its T tokens' k and v and attends its queries to everything cached (causal, aligned bottom-right)."""
+
+    def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (cfg.n_layer, batch_size, max_len, cfg.kv_heads, cfg.head_dim)  # (L, B, T, Hkv, D) each
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # tokens cached; the next token's position
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, T, Hkv, D) after the cached tokens; return every cached key and value (B, length + T, Hkv, D)."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.layer = layer  # its slot in a KVCache
+        # q: H heads, k and v: Hkv heads each, in one matmul; with Hkv = H the layout is (3, H, D) as before GQA
+        self.qkv = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_out = True
         self.dropout = nn.Dropout(cfg.dropout)
         self.attn_fn = get_attention(cfg.attention)
-        self.attn_qkvpacked = get_qkvpacked_attention(cfg.attention)  # None: attn_fn on q, k, v views
+        # The packed form takes the projection whole, (B, T, 3, H, D): only for H key/value heads that RoPE
+        # does not rotate. Otherwise (None) attn_fn gets q, k, v views.
+        packed = get_qkvpacked_attention(cfg.attention)
+        self.attn_qkvpacked = packed if self.n_kv_head == self.n_head and cfg.pos_emb == "learned" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim)  # (B, T, 3, H, D)
-        if self.attn_qkvpacked is not None:
-            # One input, so autograd gets one (B, T, 3, H, D) gradient, not three views' to stack.
-            o = self.attn_qkvpacked(qkv, causal=True)  # (B, T, H, D)
+        H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.qkv(x)  # (B, T, (H + 2·Hkv)·D)
+        if self.attn_qkvpacked is not None and cache is None:
+            # One input, so autograd gets one (B, T, 3, H, D) gradient, not three views' to concatenate.
+            o = self.attn_qkvpacked(qkv.view(B, T, 3, H, D), causal=True)  # (B, T, H, D)
         else:
-            q, k, v = qkv.unbind(dim=2)  # each (B, T, H, D), strided views
+            q, k, v = qkv.view(B, T, H + 2 * Hkv, D).split((H, Hkv, Hkv), dim=2)  # strided views, (B, T, H|Hkv, D)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)  # (B, Tc + T, Hkv, D)
             o = self.attn_fn(q, k, v, causal=True)  # (B, T, H, D)
         return self.dropout(self.proj(o.reshape(B, T, C)))
 
@@ -97,25 +216,35 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.swiglu = cfg.mlp == "swiglu"
+        # SwiGLU's gate and up projections are one matmul: fc's output is [gate | up]
+        self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.ffn_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
         self.proj.is_residual_out = True
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        h = self.fc(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.proj(h))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -124,10 +253,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: counted once in the FLOP formula too
         self.apply(self._init_weights)
@@ -143,30 +272,42 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, padded_vocab_size)."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, padded_vocab_size). With a cache, idx continues the cached
+        tokens: its positions start at cache.length, and its keys and values are appended to the cache."""
         B, T = idx.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(
-                f"input has {T} tokens but the model's position embedding holds seq_len={self.cfg.seq_len}; "
-                f"set seq_len={T} (it sets both the model context and the data windows)"
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.max_len:
+            raise ContextLengthError(f"{start} cached + {T} new tokens exceed the KV cache's {cache.max_len}")
+        if start + T > self.cfg.seq_len:
+            advice = ("generate fewer tokens" if cache is not None else
+                      f"set seq_len={start + T} (it sets both the model context and the data windows)")
+            raise ContextLengthError(
+                f"input has {start + T} tokens but the model's context holds seq_len={self.cfg.seq_len}; {advice}"
             )
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C), fp32
+        pos = torch.arange(start, start + T, device=idx.device)
+        x = self.wte(idx)  # (B, T, C), fp32
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        x = self.drop(x)
         device = idx.device.type
-        if not self.cfg.fp32_residual and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype  # the matmuls'
+        if not self.cfg.fp32_residual and dtype != x.dtype:
             # Every branch output is bf16 under autocast; an fp32 stream makes each residual add, LayerNorm
             # and their gradients read and write fp32, and casts in between. GPT3-1.3B on an H100, 16k tokens:
             # 314.7 -> 289.1 ms per step at 2k, 382.1 -> 356.1 at 8k (bench/profile_step.py).
-            x = x.to(torch.get_autocast_dtype(device))
+            x = x.to(dtype)
+        rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_base, dtype) if self.cfg.pos_emb == "rope" else None
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
                 # recompute each block in backward: trades ~1/3 more compute for O(L) fewer activations
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, rope, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, rope, cache)
+        if cache is not None:
+            cache.length += T
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def num_params(self, exclude_position_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weight counted once by parameters()
-        return n - self.wpe.weight.numel() if exclude_position_embedding else n
+        return n - self.wpe.weight.numel() if exclude_position_embedding and self.wpe is not None else n

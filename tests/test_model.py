@@ -1,10 +1,10 @@
-"""The GPT and its attention switch on CPU: the implementations agree, errors are clear."""
+"""The GPT, its options and its attention switch on CPU: the implementations agree, errors are clear."""
 
 import pytest
 import torch
 
 from model.attention import ATTENTION, get_attention, naive_attention, sdpa_attention
-from model.gpt import GPT, GPTConfig, LayerNorm
+from model.gpt import GPT, GPTConfig, KVCache, LayerNorm, ModelConfigError, RMSNorm, apply_rope, rope_cos_sin
 from model.loss import next_token_loss
 
 
@@ -58,18 +58,32 @@ def test_flash_head_dim_checked_at_construction():
         GPTConfig(n_head=3, d_model=60, attention="flash")  # head dim 20
 
 
-def _tiny(attention, seed=0):
+# Each model option alone, and all together as in conf/model/llama-1b.yaml (n_head 4 over d_model 64: head dim 16).
+OPTIONS = {
+    "gpt3": {},
+    "gqa": {"n_kv_head": 2},
+    "mqa": {"n_kv_head": 1},
+    "rope": {"pos_emb": "rope", "rope_base": 500.0},
+    "rmsnorm": {"norm": "rmsnorm"},
+    "swiglu": {"mlp": "swiglu", "d_ff": 96},
+    "no_bias": {"bias": False},
+    "llama": {"n_kv_head": 2, "pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False},
+}
+
+
+def _tiny(attention, seed=0, **options):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, attention=attention))
+    return GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, attention=attention, **options))
 
 
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("attention", ["naive", "sdpa", "flash_reference"])
-def test_model_forward_backward_agree_across_attentions(attention):
+def test_model_forward_backward_agree_across_attentions(attention, options):
     if attention == "flash_reference":
         pytest.importorskip("flash_kernel.reference")
     idx = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
-    ref = _tiny("sdpa")
-    model = _tiny(attention)
+    ref = _tiny("sdpa", **options)
+    model = _tiny(attention, **options)
     model.load_state_dict(ref.state_dict())
     logits_ref, logits = ref(idx), model(idx)
     assert logits.shape == (2, 48, 320)  # vocab 300 padded to a multiple of 64
@@ -186,3 +200,110 @@ def test_compile_covers_the_loss_and_keeps_its_value():
     assert eager.loss_fn is next_token_loss and compiled.loss_fn is not next_token_loss
     batch = tuple(torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(7)) for _ in range(2))
     torch.testing.assert_close(compiled._loss(batch), eager._loss(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(n_head=4, n_kv_head=3), ModelConfigError, "model.n_head=4 is not a multiple of model.n_kv_head=3"),
+        (dict(n_head=4, n_kv_head=0), ModelConfigError, "not a multiple of model.n_kv_head=0"),
+        (dict(n_head=4, d_model=36, pos_emb="rope"), ModelConfigError, "head dim must be even.*36/4 = 9"),
+        (dict(pos_emb="alibi"), ModelConfigError, "model.pos_emb='alibi' is not one of learned, rope"),
+        (dict(norm="batchnorm"), ModelConfigError, "model.norm='batchnorm'"),
+        (dict(mlp="relu"), ModelConfigError, "model.mlp='relu' is not one of gelu, swiglu"),
+    ],
+)
+def test_bad_options_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GPTConfig(**{"n_layer": 1, "n_head": 4, "d_model": 64, **kwargs})
+
+
+def test_default_options_keep_the_gpt3_weights():
+    """The options' defaults build GPT-3 (learned positions, LayerNorms with biases, a 4d GELU MLP, one fused
+    (3·d, d) projection): the parameter names and shapes of checkpoints written before the options existed."""
+    shapes = {name: tuple(p.shape) for name, p in _tiny("sdpa").state_dict().items()}
+    assert shapes["wpe.weight"] == (64, 64) and shapes["blocks.0.attn.qkv.weight"] == (192, 64)
+    assert shapes["blocks.0.mlp.fc.weight"] == (256, 64) and shapes["blocks.0.ln_1.bias"] == (64,)
+    assert len(shapes) == 5 + 2 * 12  # wte, wpe, ln_f (2), lm_head (tied); 12 per block
+
+
+def test_llama_options_build_their_modules():
+    model = _tiny("sdpa", **OPTIONS["llama"])
+    names = dict(model.named_parameters())
+    assert model.wpe is None and not any("bias" in n for n in names)
+    assert isinstance(model.blocks[0].ln_1, RMSNorm) and isinstance(model.ln_f, RMSNorm)
+    assert names["blocks.0.attn.qkv.weight"].shape == ((4 + 2 * 2) * 16, 64)  # 4 q heads, 2 k and 2 v heads of 16
+    assert names["blocks.0.mlp.fc.weight"].shape == (2 * 256, 64)  # gate and up in one matmul
+
+
+def test_gqa_is_multi_head_attention_with_each_kv_head_shared_by_its_group():
+    """A GQA model equals a multi-head model whose k and v heads are its own, each repeated for the query heads of
+    its group (query head h uses key/value head h // (H / Hkv), as in Llama and flash-attn)."""
+    H, Hkv, D = 4, 2, 16
+    gqa = _tiny("sdpa", n_kv_head=Hkv)
+    mha = _tiny("sdpa")
+    state = gqa.state_dict()
+    for name in [n for n in state if n.endswith("attn.qkv.weight") or n.endswith("attn.qkv.bias")]:
+        w = state[name].unflatten(0, (H + 2 * Hkv, D))  # (H + 2·Hkv, D, ...) heads
+        q, k, v = w.split((H, Hkv, Hkv))
+        state[name] = torch.cat((q, k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0))).flatten(0, 1)
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(gqa(idx), mha(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    """RoPE (Su et al. 2021, eq. 16): <R_m q, R_n k> is a function of n - m, and each rotation keeps the norm."""
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(1, 1, 3, 32, generator=g), torch.randn(1, 1, 3, 32, generator=g)
+
+    def rotated(x, pos):
+        cos, sin = rope_cos_sin(torch.tensor([pos]), 32, 10000.0, torch.float32)
+        return apply_rope(x, cos, sin)
+
+    score = lambda m, n: (rotated(q, m) * rotated(k, n)).sum(-1)  # noqa: E731
+    torch.testing.assert_close(score(3, 10), score(103, 110), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(score(3, 10), score(3, 11), atol=1e-3)
+    torch.testing.assert_close(rotated(q, 57).norm(dim=-1), q.norm(dim=-1))
+    torch.testing.assert_close(rotated(q, 0), q)  # position 0: no rotation
+
+
+def test_swiglu_mlp_by_hand():
+    """SwiGLU (Shazeer 2020): down(silu(x W_gate) * (x W_up)), the gate the first half of fc's output."""
+    model = _tiny("sdpa", mlp="swiglu", d_ff=96, bias=False)
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(10))
+    w_gate, w_up = mlp.fc.weight.split(96)
+    expected = (torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)) @ mlp.proj.weight.T
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_rmsnorm_keeps_bf16_and_matches_fp32():
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = (torch.randn(8, 64) * 3 + 1).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    xf = x.detach().float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(y.float(), ref, atol=0.03, rtol=0.02)
+    y.float().sum().backward()
+    assert norm.weight.grad.dtype == torch.float32 and norm.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("options", [OPTIONS["gpt3"], OPTIONS["llama"], OPTIONS["mqa"]], ids=["gpt3", "llama", "mqa"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_kv_cache_decoding_gives_the_full_forward_logits(attention, options):
+    """A prompt, then one token at a time through the KV cache: the logits of every position equal those of one
+    forward over the whole sequence (positions, RoPE angles and causal masks line up with the cache)."""
+    model = _tiny(attention, **options).eval()
+    idx = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        full = model(idx)
+        cache = KVCache(model.cfg, 2, 20, idx.device, torch.float32)
+        steps = [model(idx[:, :12], cache=cache)] + [model(idx[:, t:t + 1], cache=cache) for t in range(12, 20)]
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
