@@ -87,8 +87,6 @@ class PrepareConfig:
         directory when Hydra runs (it may chdir into outputs/), else the current directory. Resolving once,
         early, makes the datamodule behave the same with or without Hydra.
         """
-        from data.sources import parse_source  # local import: sources imports this module
-
         changes = {"cache_dir": absolute_path(self.cache_dir)}
         kind, arg = parse_source(self.source)
         if kind == "files":
@@ -102,6 +100,26 @@ class PrepareConfig:
         for not_identity in ("cache_dir", "tokenize_procs"):
             fields.pop(not_identity)
         return fields
+
+
+SOURCE_FORMS = (
+    "'stdlib', 'hub:<dataset name>' (e.g. hub:Salesforce/wikitext with hub_config=wikitext-103-raw-v1) "
+    "or 'files:<path, directory or glob>[,<more>]'"
+)
+
+
+def parse_source(source: str) -> tuple[str, str]:
+    """'stdlib' -> ('stdlib', ''); 'hub:wikitext' -> ('hub', 'wikitext'); 'files:a/*.txt' -> ('files', 'a/*.txt')."""
+    source = str(source).strip()
+    if source == "stdlib":
+        return "stdlib", ""
+    for prefix, kind in (("hub:", "hub"), ("hf:", "hub"), ("files:", "files")):
+        if source.startswith(prefix):
+            arg = source[len(prefix):].strip()
+            if not arg:
+                raise ValueError(f"data source {source!r} names no {kind} target; use {SOURCE_FORMS}")
+            return kind, arg
+    raise ValueError(f"data source {source!r} is not understood; use {SOURCE_FORMS}")
 
 
 def split_patterns(arg: str) -> list[str]:

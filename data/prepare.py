@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenize_procs=args.num_proc,
         )
         path = prepare(cfg, verify=args.verify, force=args.force)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # OSError: missing files, no network (ConnectionError)
         print(f"data.prepare: error: {err}", file=sys.stderr)
         return 2
     meta = json.loads((path / META_FILE).read_text())

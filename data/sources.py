@@ -20,17 +20,19 @@ changes when the corpus does.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
 import logging
 import os
 import platform
+import socket
 import sysconfig
 import tokenize
 from pathlib import Path
 
-from data.config import PrepareConfig, split_patterns
+from data.config import PrepareConfig, parse_source, split_patterns
 
 log = logging.getLogger(__name__)
 
@@ -39,26 +41,6 @@ TEXT_COLUMN = "text"
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 BUILDER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else: "text"
-SOURCE_FORMS = (
-    "'stdlib', 'hub:<dataset name>' (e.g. hub:Salesforce/wikitext with hub_config=wikitext-103-raw-v1) "
-    "or 'files:<path, directory or glob>[,<more>]'"
-)
-
-
-def parse_source(source: str) -> tuple[str, str]:
-    """'stdlib' -> ('stdlib', ''); 'hub:wikitext' -> ('hub', 'wikitext'); 'files:a/*.txt' -> ('files', 'a/*.txt')."""
-    source = str(source).strip()
-    if source == "stdlib":
-        return "stdlib", ""
-    for prefix, kind in (("hub:", "hub"), ("hf:", "hub"), ("files:", "files")):
-        if source.startswith(prefix):
-            arg = source[len(prefix):].strip()
-            if not arg:
-                raise ValueError(f"data source {source!r} names no {kind} target; use {SOURCE_FORMS}")
-            return kind, arg
-    raise ValueError(f"data source {source!r} is not understood; use {SOURCE_FORMS}")
-
-
 # ----------------------------------------------------------------------------------------------- stdlib
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
@@ -193,6 +175,13 @@ def load_documents(cfg: PrepareConfig, scratch_dir: str | os.PathLike | None = N
         return _check_not_empty(ds, cfg.source)
 
     # hub
+    with _hub_offline_without_network(cfg.source):
+        return _load_hub(cfg, arg)
+
+
+def _load_hub(cfg: PrepareConfig, arg: str):
+    import datasets
+
     if cfg.streaming:
         if cfg.max_documents is None:
             raise ValueError(
@@ -207,6 +196,49 @@ def load_documents(cfg: PrepareConfig, scratch_dir: str | os.PathLike | None = N
     if cfg.max_documents is not None:
         ds = ds.select(range(min(int(cfg.max_documents), len(ds))))
     return _check_not_empty(ds, cfg.source)
+
+
+HUB_PROBE_TIMEOUT_S = 3
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the Hugging Face hub endpoint answers a TCP connection (HF_ENDPOINT honoured)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _hub_offline_without_network(source: str):
+    """Without network, read the hub dataset from the local Hugging Face cache only: huggingface_hub would
+    otherwise retry every request 5 times (about 35 s, each retry logged) before failing. A dataset absent
+    from the cache then fails at once, with a message that says what to do."""
+    import datasets
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or hub_reachable():
+        yield
+        return
+    log.warning("no network to %s: reading %s from the local Hugging Face cache only", constants.ENDPOINT, source)
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    except (ConnectionError, FileNotFoundError) as err:  # datasets raises these for an uncached dataset
+        raise ConnectionError(
+            f"data source {source!r} is not in the local Hugging Face cache and {constants.ENDPOINT} cannot be "
+            f"reached: connect this machine once (or copy ~/.cache/huggingface from one that has it), or train "
+            f"on data=stdlib / data=files"
+        ) from err
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _missing_field(field: str, present, source: str) -> ValueError:

@@ -398,17 +398,26 @@ def test_stdlib_source_listing_and_small_prepare(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ config and CLI
+def _data_conf(name: str):
+    """conf/data/<name>.yaml composed the way train.py sees it (its defaults list included)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf" / "data"), version_base="1.3"):
+        return compose(config_name=name)
+
+
 def test_conf_files_instantiate_and_default_matches_cli():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     top = OmegaConf.create({"seq_len": 64, "seed": 3})
     for name in ("stdlib", "hub", "files"):
-        cfg = OmegaConf.merge(top, {"data": OmegaConf.load(REPO / "conf" / "data" / f"{name}.yaml")})
+        cfg = OmegaConf.merge(top, {"data": _data_conf(name)})
         module = instantiate(cfg.data)
         assert isinstance(module, TokenDataModule) and module.seq_len == 64 and module.seed == 3
+    assert _data_conf("hub").val_fraction == 0.005 and _data_conf("files").val_fraction == 0.05
     # `make data` (python -m data.prepare, PrepareConfig defaults) must prepare the cache training uses.
-    stdlib = OmegaConf.load(REPO / "conf" / "data" / "stdlib.yaml")
+    stdlib = _data_conf("stdlib")
     defaults = PrepareConfig()
     for field in ("source", "vocab_size", "val_fraction", "split_seed", "max_documents", "cache_dir"):
         assert stdlib[field] == getattr(defaults, field), field
