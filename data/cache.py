@@ -6,7 +6,8 @@ the bytes, and the source identity (file list and sizes for local corpora), so a
 gets a new directory instead of silently reusing a stale one.
 
 A cache is valid only if meta.json parses, names this key and format version, and every file it lists
-exists with the recorded size (optionally the recorded sha256, see `verify`). Builds happen in a temporary
+exists with the recorded size (with verify=True also the recorded sha256 and token ids below the vocabulary
+size). Builds happen in a temporary
 sibling directory that is renamed into place only when complete, so a killed preparation never leaves a
 directory that looks valid.
 """
@@ -20,6 +21,8 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+
+import numpy as np
 
 from data.config import PrepareConfig
 from data.sources import parse_source, source_identity
@@ -65,7 +68,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def check_cache(path: Path, key: str, verify: bool = False) -> tuple[dict | None, str]:
-    """(meta, "ok") for a valid cache, else (None, why not). verify=True also re-hashes every file."""
+    """(meta, "ok") for a valid cache, else (None, why not). verify=True also re-hashes every file and checks
+    that every token id is below the tokenizer's vocabulary size."""
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         return None, f"{meta_path} is missing"
@@ -87,7 +91,18 @@ def check_cache(path: Path, key: str, verify: bool = False) -> tuple[dict | None
             return None, f"{file} has {file.stat().st_size} bytes, meta.json says {files[name]['bytes']}"
         if verify and sha256_file(file) != files[name]["sha256"]:
             return None, f"{file} does not match its sha256 in meta.json"
+    if verify:
+        for name in (TRAIN_FILE, VAL_FILE):
+            top = max_token_id(Path(path) / name)
+            if top >= meta["tokenizer_vocab_size"]:
+                return None, f"{Path(path) / name} holds token id {top}, not below the vocabulary size {meta['tokenizer_vocab_size']}"
     return meta, "ok"
+
+
+def max_token_id(path: Path, chunk: int = 1 << 26) -> int:
+    """The largest token id in a shard (-1 when empty), read in chunks of `chunk` tokens."""
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if Path(path).stat().st_size else np.zeros(0, TOKEN_DTYPE)
+    return max((int(tokens[i : i + chunk].max()) for i in range(0, tokens.size, chunk)), default=-1)
 
 
 def new_build_dir(final: Path) -> Path:
@@ -98,11 +113,13 @@ def new_build_dir(final: Path) -> Path:
     return tmp
 
 
-def publish(build: Path, final: Path, key: str) -> None:
-    """Move a complete build into place. An invalid directory already there is replaced; a valid one (built
-    concurrently by another process, e.g. on a shared filesystem) wins and our build is dropped."""
+def publish(build: Path, final: Path, key: str, replace: bool = False) -> None:
+    """Move a complete build into place. replace=True (a rebuild of a cache found corrupt, or forced): the
+    directory there is replaced. Otherwise an invalid directory is replaced, and a valid one (built
+    concurrently by another process, e.g. on a shared filesystem) wins and our build is dropped. The old
+    directory is renamed away first, so a reader sees the old cache, none, or the new one: never a mix."""
     if final.exists():
-        if check_cache(final, key)[0] is not None:
+        if not replace and check_cache(final, key)[0] is not None:
             shutil.rmtree(build, ignore_errors=True)
             return
         trash = final.parent / f"{_TMP_PREFIX}trash-{final.name}-{uuid.uuid4().hex[:8]}"

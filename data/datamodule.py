@@ -215,7 +215,8 @@ class TokenDataModule(L.LightningDataModule):
         self._consumed = start
         trainer = self.trainer
         self._fit_base = (trainer, start, int(trainer.global_step)) if trainer is not None else None
-        dataset = TrainWindows(self.cache_path / TRAIN_FILE, meta["tokens"]["train"], self.seq_len, self.seed)
+        dataset = TrainWindows(self.cache_path / TRAIN_FILE, meta["tokens"]["train"], self.seq_len, self.seed,
+                               vocab_size=meta["tokenizer_vocab_size"])
         sampler = TrainBatchSampler(self.batch_size, self._train_num_steps(), world_size, rank, start_step=start)
         if start:
             log.info("train data resumes at batch %d (rank %d of %d)", start, rank, world_size)
@@ -232,7 +233,8 @@ class TokenDataModule(L.LightningDataModule):
         self._check_no_distributed_sampler(world_size)
         n_tokens = meta["tokens"]["val"]
         starts = val_rank_starts(n_tokens, self.seq_len, self.val_batches, self.batch_size, world_size, rank)
-        dataset = ValWindows(self.cache_path / VAL_FILE, n_tokens, self.seq_len, starts)
+        dataset = ValWindows(self.cache_path / VAL_FILE, n_tokens, self.seq_len, starts,
+                             vocab_size=meta["tokenizer_vocab_size"])
         return self._loader(dataset, batch_size=self.batch_size, shuffle=False, drop_last=False)
 
     # ------------------------------------------------------------------------------------ resume state

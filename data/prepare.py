@@ -65,13 +65,14 @@ def prepare(cfg: PrepareConfig | None = None, verify: bool = False, force: bool 
     if meta is not None and not force:
         log.info("data cache is up to date: %s", final)
         return final
-    if final.exists():
-        log.warning("rebuilding the data cache %s: %s", final, why)
+    rebuild = final.exists()
+    if rebuild:
+        log.warning("rebuilding the data cache %s: %s", final, why if meta is None else "--force")
     remove_stale_builds(final.parent, final.name)
     build = new_build_dir(final)
     try:
         _build(cfg, key, identity, build)
-        publish(build, final, key)
+        publish(build, final, key, replace=rebuild)
     except BaseException:
         shutil.rmtree(build, ignore_errors=True)  # never leave a half-built directory behind
         raise
@@ -156,7 +157,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--split-seed", type=int, default=defaults.split_seed)
     parser.add_argument("--cache-dir", default=defaults.cache_dir)
     parser.add_argument("--num-proc", type=int, default=defaults.tokenize_procs, help="tokenizing processes")
-    parser.add_argument("--verify", action="store_true", help="also check the sha256 of an existing cache")
+    parser.add_argument("--verify", action="store_true", help="also check an existing cache's sha256 sums and token ids; rebuild it if they are wrong")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is valid")
     return parser.parse_args(argv)
 

@@ -20,6 +20,7 @@ changes when the corpus does.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import glob
 import hashlib
@@ -40,6 +41,8 @@ TEXT_COLUMN = "text"
 # Directories under the stdlib path that hold third-party packages, not the standard library.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+# A text file's first bytes decide whether it is text: binaries show a NUL or an invalid UTF-8 sequence early.
+TEXT_SNIFF_BYTES = 1 << 16
 BUILDER_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else: "text"
 # ----------------------------------------------------------------------------------------------- stdlib
 def stdlib_root() -> Path:
@@ -119,6 +122,38 @@ def resolve_files(arg: str) -> tuple[list[str], str]:
     return files, builders.pop()
 
 
+def is_text_file(path: str) -> bool:
+    """Whether a file's first TEXT_SNIFF_BYTES hold UTF-8 text: no NUL byte and no invalid sequence (an
+    incomplete character cut at the end is fine). Compressed files are not sniffed (datasets decodes them)."""
+    if path.lower().endswith(COMPRESSION_SUFFIXES):
+        return True
+    with open(path, "rb") as f:
+        head = f.read(TEXT_SNIFF_BYTES)
+    if b"\0" in head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def text_files_only(files: list[str], source: str) -> list[str]:
+    """Drop the files that are not text (binaries, other encodings), saying how many; refuse a corpus that is
+    mostly such files (a wrong path, e.g. a build directory)."""
+    text = [f for f in files if is_text_file(f)]
+    skipped = sorted(set(files) - set(text))
+    if len(skipped) * 2 > len(files):
+        raise ValueError(
+            f"{len(skipped)} of the {len(files)} files of {source!r} are not UTF-8 text (e.g. {skipped[0]}): "
+            f"point data.source at text files (.txt, .jsonl/.json, .parquet or source code)"
+        )
+    if skipped:
+        log.warning("skipped %d of %d files of %r that are not UTF-8 text, e.g. %s", len(skipped), len(files),
+                    source, ", ".join(skipped[:3]))
+    return text
+
+
 # --------------------------------------------------------------------------------------------- identity
 def source_identity(cfg: PrepareConfig) -> dict:
     """What exactly is read: part of the cache key, and recorded in meta.json."""
@@ -166,6 +201,7 @@ def load_documents(cfg: PrepareConfig, scratch_dir: str | os.PathLike | None = N
         files, builder = resolve_files(arg)
         kwargs = {}
         if builder == "text":
+            files = text_files_only(files, cfg.source)
             kwargs = {"sample_by": cfg.text_sample_by, "keep_linebreaks": True, "encoding_errors": "replace"}
         ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
         field = TEXT_COLUMN if builder == "text" else cfg.text_field

@@ -50,13 +50,14 @@ def val_window_starts(n_tokens: int, seq_len: int, n_windows: int) -> np.ndarray
 
 class _ShardWindows(Dataset):
     """Opens the shard lazily, so that DataLoader workers each map the file instead of receiving a pickled
-    copy of it."""
+    copy of it. With vocab_size, every window is checked to hold ids below it (a corrupt shard is named)."""
 
     split = "train"  # names the split in error messages
 
-    def __init__(self, path: str | Path, n_tokens: int, seq_len: int):
+    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, vocab_size: int | None = None):
         check_enough_tokens(n_tokens, seq_len, self.split)
         self.path, self.n_tokens, self.seq_len = str(path), int(n_tokens), int(seq_len)
+        self.vocab_size = vocab_size
         self._tokens: np.memmap | None = None
 
     def __getstate__(self):
@@ -68,6 +69,14 @@ class _ShardWindows(Dataset):
         if self._tokens is None:
             self._tokens = open_shard(Path(self.path), self.n_tokens)
         chunk = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        if self.vocab_size is not None and int(chunk.max()) >= self.vocab_size:
+            # A corrupt shard: the embedding lookup would fail with a bare IndexError (or read garbage on GPU).
+            offset = start + int(chunk.argmax())
+            raise ValueError(
+                f"{self.path} holds token id {int(chunk.max())} at token {offset}, not below the vocabulary size "
+                f"{self.vocab_size}: the data cache is corrupt; rebuild it with `python -m data.prepare <source> "
+                f"--vocab-size <data.vocab_size> --verify` (or delete {Path(self.path).parent})"
+            )
         return chunk[:-1], chunk[1:]  # (seq_len,), (seq_len,)
 
 
@@ -77,8 +86,8 @@ class TrainWindows(_ShardWindows):
 
     split = "train"
 
-    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, seed: int):
-        super().__init__(path, n_tokens, seq_len)
+    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, seed: int, vocab_size: int | None = None):
+        super().__init__(path, n_tokens, seq_len, vocab_size)
         if int(seed) < 0:
             raise ValueError(f"seed={seed} must be >= 0 (it seeds numpy's SeedSequence)")
         self.seed = int(seed)
@@ -92,8 +101,8 @@ class ValWindows(_ShardWindows):
 
     split = "val"
 
-    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, starts: np.ndarray):
-        super().__init__(path, n_tokens, seq_len)
+    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, starts: np.ndarray, vocab_size: int | None = None):
+        super().__init__(path, n_tokens, seq_len, vocab_size)
         self.starts = np.asarray(starts, dtype=np.int64)
 
     def __len__(self) -> int:

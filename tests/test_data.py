@@ -18,7 +18,7 @@ import torch
 import data.prepare as prepare_mod
 from data.prepare import prepare
 from data import PrepareConfig, TokenDataModule
-from data.cache import META_FILE, TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, check_cache, locate
+from data.cache import META_FILE, TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, check_cache, locate, sha256_file
 from data.sources import stdlib_files, stdlib_root
 from data.tokenizer import EOT, load_tokenizer
 from data.windows import TrainBatchSampler, train_window_start, val_rank_starts
@@ -284,6 +284,50 @@ def test_stale_and_corrupt_caches_are_rebuilt(tmp_path):
     assert prepare(cfg.replace(vocab_size=320)) != path
     (folder / "doc000.txt").write_text("changed\n" * 50)
     assert locate(cfg.resolved())[0] != path
+
+
+def test_same_size_corruption_is_refused_by_training_and_replaced_by_verify(tmp_path, capsys):
+    """A shard overwritten with 0xFF bytes at its own size passes the size check: training refuses its first
+    window naming the file, and `--verify` (sha256) or `--force` really replace it with the good bytes."""
+    folder = write_txt_corpus(tmp_path / "txt", make_docs(12, seed=1))
+    cfg = PrepareConfig(source=f"files:{folder}", vocab_size=300, val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
+    path = prepare(cfg)
+    good = (path / TRAIN_FILE).read_bytes()
+    cli = [cfg.source, "--vocab-size", "300", "--val-fraction", "0.2", "--cache-dir", cfg.cache_dir]
+    for repair in ("--verify", "--force"):
+        (path / TRAIN_FILE).write_bytes(b"\xff" * len(good))
+        module = dm_for(cfg, seq_len=8)
+        module.prepare_data()  # sizes match: reused
+        module.setup("fit")
+        with pytest.raises(ValueError, match=rf"{TRAIN_FILE} holds token id 65535 .*not below the vocabulary"):
+            next(iter(module.train_dataloader()))
+        assert prepare_mod.main(cli + [repair]) == 0, repair
+        assert (path / TRAIN_FILE).read_bytes() == good, repair
+        assert check_cache(path, locate(cfg.resolved())[1], verify=True)[0] is not None
+    # --verify checks the token ids on their own too (a shard whose recorded sha256 was rewritten with it).
+    (path / TRAIN_FILE).write_bytes(b"\xff" * len(good))
+    meta = json.loads((path / META_FILE).read_text())
+    meta["files"][TRAIN_FILE]["sha256"] = sha256_file(path / TRAIN_FILE)
+    (path / META_FILE).write_text(json.dumps(meta))
+    assert "token id 65535" in check_cache(path, meta["key"], verify=True)[1]
+
+
+def test_binary_files_are_skipped_with_a_count_and_a_mostly_binary_corpus_is_refused(tmp_path, caplog):
+    docs = make_docs(12, seed=8)
+    folder = write_txt_corpus(tmp_path / "txt", docs)
+    rng = np.random.default_rng(0)
+    for name in ("model.bin", "image.png"):
+        (folder / name).write_bytes(b"\x89PNG\0" + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    cfg = PrepareConfig(source=f"files:{folder}", vocab_size=300, val_fraction=0.2, cache_dir=str(tmp_path / "c"))
+    with caplog.at_level("WARNING"):
+        path = prepare(cfg)
+    assert "skipped 2 of 14 files" in caplog.text
+    tokenizer = load_tokenizer(path / TOKENIZER_FILE)
+    assert sorted(decode_docs(path / TRAIN_FILE, tokenizer) + decode_docs(path / VAL_FILE, tokenizer)) == sorted(docs)
+    for i in range(13):
+        (folder / f"blob{i}.dat").write_bytes(bytes([0xC3, 0x28]) * 100)  # invalid UTF-8, no NUL
+    with pytest.raises(ValueError, match=r"15 of the 27 files .* are not UTF-8 text"):
+        prepare(cfg)
 
 
 def test_killed_preparation_leaves_no_valid_cache(tmp_path, monkeypatch):
