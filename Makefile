@@ -52,6 +52,7 @@ test-gpu: install build ## only the GPU tests (kernel correctness), failing if t
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)
 
 sanitize: install build ## compute-sanitizer memcheck + racecheck on a small kernel case (0 errors expected)
+	@command -v compute-sanitizer >/dev/null || { echo "make sanitize: compute-sanitizer is not on PATH; it ships with the CUDA toolkit (e.g. /usr/local/cuda/bin): add that to PATH, on a machine with a GPU"; exit 1; }
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PYTHON) -m flash_kernel.sanitize
 	compute-sanitizer --tool racecheck --error-exitcode 1 $(PYTHON) -m flash_kernel.sanitize
 

@@ -120,6 +120,7 @@ class TokenDataModule(L.LightningDataModule):
         self.cache_path: Path | None = None
         self.meta: dict | None = None
         self._consumed = 0  # train batches consumed by this rank (see module docstring)
+        self._window_offset = 0  # set by a resume that changed batch_size or world size (data/windows.py)
         self._state_loaded = False
         self._fit_base: tuple | None = None  # (trainer, batches, global_step) when the loader was built
         self._tokenizer = None
@@ -217,7 +218,8 @@ class TokenDataModule(L.LightningDataModule):
         self._fit_base = (trainer, start, int(trainer.global_step)) if trainer is not None else None
         dataset = TrainWindows(self.cache_path / TRAIN_FILE, meta["tokens"]["train"], self.seq_len, self.seed,
                                vocab_size=meta["tokenizer_vocab_size"])
-        sampler = TrainBatchSampler(self.batch_size, self._train_num_steps(), world_size, rank, start_step=start)
+        sampler = TrainBatchSampler(self.batch_size, self._train_num_steps(), world_size, rank, start_step=start,
+                                    window_offset=self._window_offset)
         if start:
             log.info("train data resumes at batch %d (rank %d of %d)", start, rank, world_size)
         loader = self._loader(dataset, _CountingDataLoader, batch_sampler=sampler)
@@ -250,6 +252,7 @@ class TokenDataModule(L.LightningDataModule):
         world_size, rank = self._world()
         return {
             "train_batches_consumed": self.train_batches_consumed(),
+            "window_offset": self._window_offset,
             # Recorded so that a resume with a different data order can be flagged, not silently accepted.
             "seed": self.seed,
             "batch_size": self.batch_size,
@@ -259,11 +262,21 @@ class TokenDataModule(L.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._consumed = int(state_dict["train_batches_consumed"])
-        self._state_loaded = True
+        """Restore the data position. A changed data.batch_size or world size is applied: the stream of windows
+        continues at the window where it stopped (Lightning's batch counter, N, is kept, and the window
+        offset absorbs the change: N × B × W windows were read before, N × B' × W' are counted now)."""
+        consumed = int(state_dict["train_batches_consumed"])
         world_size, _ = self._world()
-        now = {"seed": self.seed, "batch_size": self.batch_size, "world_size": world_size, "seq_len": self.seq_len,
-               "cache_key": self.meta["key"] if self.meta else None}
+        batch_before = int(state_dict.get("batch_size", self.batch_size))
+        world_before = int(state_dict.get("world_size", world_size))
+        windows = int(state_dict.get("window_offset", 0)) + consumed * batch_before * world_before
+        self._window_offset = windows - consumed * self.batch_size * world_size
+        if (batch_before, world_before) != (self.batch_size, world_size):
+            log.info("data.batch_size %d -> %d, world size %d -> %d: the train stream continues at window %d",
+                     batch_before, self.batch_size, world_before, world_size, windows)
+        self._consumed = consumed
+        self._state_loaded = True
+        now = {"seed": self.seed, "seq_len": self.seq_len, "cache_key": self.meta["key"] if self.meta else None}
         changed = {k: (state_dict.get(k), v) for k, v in now.items() if state_dict.get(k) not in (None, v)}
         if changed:
             warnings.warn(

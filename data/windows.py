@@ -6,8 +6,9 @@ Train windows are a pure function of (seed, global window index g): the start of
 from np.random.default_rng([seed, g]), uniform over every valid start. Nothing depends on which process,
 worker or epoch computes it, so any (rank, step) can be recomputed anywhere:
 
-    global window index of batch slot j, at step s, on rank r of W:   g = (s * W + r) * B + j
+    global window index of batch slot j, at step s, on rank r of W:   g = o + (s * W + r) * B + j
 
+(o = 0 unless a resume changed B or W: then o keeps the stream going at the window where it stopped),
 i.e. the global stream is cut into consecutive blocks of B windows, dealt round-robin to the ranks. Every
 rank reads different windows, the union over ranks at step s is the single-process stream's steps
 s*W ... s*W + W - 1, and a run resumed at step s reads exactly what the uninterrupted run would have.
@@ -120,16 +121,18 @@ class TrainBatchSampler(Sampler[list[int]]):
     len(dataloader), so the length must count the batches already consumed.
     """
 
-    def __init__(self, batch_size: int, num_steps: int, world_size: int = 1, rank: int = 0, start_step: int = 0):
+    def __init__(self, batch_size: int, num_steps: int, world_size: int = 1, rank: int = 0, start_step: int = 0,
+                 window_offset: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.batch_size, self.num_steps = int(batch_size), int(num_steps)
         self.world_size, self.rank, self.start_step = int(world_size), int(rank), int(start_step)
+        self.window_offset = int(window_offset)
 
     def indices(self, step: int) -> list[int]:
-        first = (step * self.world_size + self.rank) * self.batch_size
+        first = self.window_offset + (step * self.world_size + self.rank) * self.batch_size
         return list(range(first, first + self.batch_size))
 
     def __iter__(self):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 
 from model.attention import check_attention_runs_on
 from model.flops import flops_per_token
@@ -25,6 +26,17 @@ from model.loss import next_token_loss
 
 class NonFiniteLossError(RuntimeError):
     """Raised when the training loss became NaN/inf; the last good checkpoint stays untouched."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint that does not fit the config; the message names the config key."""
+
+
+# GPTConfig fields that shape the weights, and the config key that sets each (others: model.<field>).
+SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio", "bias")
+CONFIG_KEY = {"vocab_size": "data.vocab_size", "seq_len": "seq_len"}
+# Optimizer settings that a resume takes from the config (the checkpoint keeps the moments and step count).
+OPTIMIZER_KEYS = ("lr", "betas", "eps")
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -115,6 +127,56 @@ class LitGPT(L.LightningModule):
         cb = getattr(self.trainer, "checkpoint_callback", None)
         return (cb.last_model_path or cb.best_model_path or None) if cb is not None else None
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume semantics: the weights, optimizer moments, step and data position come from the checkpoint;
+        the model's shape must equal the config's (checked here, before the weights load, naming the key);
+        every optimizer and schedule setting (optim.optimizer.lr / betas / eps, optim.weight_decay,
+        optim.warmup_steps, optim.min_lr_ratio, optim.grad_clip, trainer.max_steps) comes from the config."""
+        saved = checkpoint.get("hyper_parameters", {}).get("model", {})
+        mismatched = [f for f in SHAPE_FIELDS if f in saved and saved[f] != getattr(self.cfg, f)]
+        if mismatched:
+            raise ResumeError("the checkpoint's model differs from the config: " + ", ".join(
+                f"{CONFIG_KEY.get(f, 'model.' + f)}={getattr(self.cfg, f)} here, {saved[f]} in the checkpoint"
+                for f in mismatched) + "; set these to the checkpoint's values to resume from it")
+        step = int(checkpoint.get("global_step", 0))
+        if self._trainer is not None and 0 < self.trainer.max_steps <= step:
+            raise ResumeError(f"trainer.max_steps={self.trainer.max_steps} but the checkpoint is at step {step}: "
+                              "raise trainer.max_steps to train further")
+        self._apply_config_to_optimizer_state(checkpoint, step)
+
+    def _apply_config_to_optimizer_state(self, checkpoint: dict[str, Any], step: int) -> None:
+        """Rewrite the checkpoint's optimizer hyper-parameters and LR schedule with the config's before
+        Lightning restores them (it restores them after this hook), and say what changed."""
+        keywords = getattr(self.optimizer_factory, "keywords", {})
+        wanted = {k: tuple(v) if k == "betas" else v for k, v in keywords.items() if k in OPTIMIZER_KEYS}
+        lr = wanted.get("lr")
+        schedulers = checkpoint.get("lr_schedulers", [])
+        multiplier = self._schedule()(schedulers[0].get("last_epoch", step) if schedulers else step)
+        changed: dict[str, tuple] = {}
+        for state in checkpoint.get("optimizer_states", []):
+            for i, group in enumerate(state["param_groups"]):  # configure_optimizers: decay, then no decay
+                settings = {**wanted, "weight_decay": self.hparams.weight_decay if i == 0 else 0.0}
+                for key, value in settings.items():
+                    # the group's "lr" is the scheduled one; the configured peak is its "initial_lr"
+                    old = group.get("initial_lr") if key == "lr" else group.get(key)
+                    old = tuple(old) if key == "betas" else old
+                    if old != value:
+                        changed.setdefault(key, (old, value))
+                    group[key] = value
+                if lr is not None:
+                    group["initial_lr"], group["lr"] = lr, lr * multiplier
+        for scheduler in schedulers:
+            if lr is not None and "base_lrs" in scheduler:
+                scheduler["base_lrs"] = [lr] * len(scheduler["base_lrs"])
+                scheduler["_last_lr"] = [lr * multiplier] * len(scheduler["base_lrs"])
+        saved = checkpoint.get("hyper_parameters", {})
+        for key in ("warmup_steps", "min_lr_ratio", "grad_clip"):
+            if key in saved and saved[key] != self.hparams[key]:
+                changed[key] = (saved[key], self.hparams[key])
+        if changed:
+            rank_zero_info("resume: the config's settings replace the checkpoint's: " + ", ".join(
+                f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Raising here aborts the save before anything is written, so a NaN state never replaces the
         # last good checkpoint.
@@ -148,15 +210,19 @@ class LitGPT(L.LightningModule):
         if "fused" not in getattr(factory, "keywords", {}) and self._fused_adamw_ok():
             extra["fused"] = True  # one kernel for all parameters instead of a loop of small ones
         optimizer = factory(groups, **extra)
-        max_steps = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 0
-        schedule = partial(
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule())
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _schedule(self) -> Callable[[int], float]:
+        """The LR multiplier by optimizer step, from this config (trainer.max_steps, optim.*)."""
+        trainer = self._trainer
+        max_steps = trainer.max_steps if trainer is not None and trainer.max_steps and trainer.max_steps > 0 else 0
+        return partial(
             warmup_cosine,
             warmup_steps=max(1, self.hparams.warmup_steps),
             max_steps=max_steps,
             min_lr_ratio=self.hparams.min_lr_ratio,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _fused_adamw_ok(self) -> bool:
         factory = getattr(self.optimizer_factory, "func", self.optimizer_factory)

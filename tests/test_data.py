@@ -208,6 +208,23 @@ def test_resume_from_state_dict_sees_the_uninterrupted_batches(corpus):
     assert resumed.state_dict()["train_batches_consumed"] == 6
 
 
+def test_resume_with_a_changed_batch_size_continues_at_the_same_window(corpus):
+    """4 batches of 4 windows consumed, resumed with batch_size 8 (or 3): the next batch is windows 16..23 (or
+    16..18) of the stream, i.e. the uninterrupted batch-4 run's batches 4 and 5 (or part of 4)."""
+    first = dm_for(corpus["cfg"])
+    first.setup("fit")
+    uninterrupted = take(first.train_dataloader(), 8)
+    state = {**first.state_dict(), "train_batches_consumed": 4}
+    for batch_size in (8, 3):
+        resumed = dm_for(corpus["cfg"], batch_size=batch_size)
+        resumed.setup("fit")
+        resumed.load_state_dict(state)
+        (x, _), = take(resumed.train_dataloader(), 1)
+        expected = torch.cat([b[0] for b in uninterrupted])[16 : 16 + batch_size]
+        assert torch.equal(x, expected), batch_size
+        assert resumed.state_dict()["window_offset"] == 16 - 4 * batch_size
+
+
 @pytest.mark.filterwarnings(
     "ignore:You passed in a `val_dataloader`", "ignore:Be aware that when using `ckpt_path`", "ignore:.*LeafSpec"
 )

@@ -1,0 +1,65 @@
+"""Checks that run before the first step, so a run fails in seconds instead of at its first checkpoint:
+the run directory is writable (output_dir, and hydra.run.dir through a Hydra callback), and a plain
+`python train.py` on a machine without a GPU says what it is about to do.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from hydra.experimental.callback import Callback as HydraCallback
+from omegaconf import DictConfig
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be written; the message names the key that sets it."""
+
+
+def check_writable(path: str | os.PathLike, key: str) -> None:
+    """Create `path` if needed and write a probe file in it; raise RunDirError naming `key` otherwise."""
+    path = Path(path)
+    probe = path / f".write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(
+            f"{key}={path} is not a writable directory ({err.strerror or err}): checkpoints and logs go there; "
+            f"set {key} to a directory you can write"
+        ) from None
+
+
+class RunDirCheck(HydraCallback):
+    """Hydra callback (conf/train.yaml hydra.callbacks): refuse an unwritable hydra.run.dir with one line
+    before Hydra itself fails creating it with a bare traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            check_writable(config.hydra.run.dir, "hydra.run.dir")
+        except RunDirError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+
+# Parameters in the blocks (12·L·d²) above which a model is GPU-sized: gpt-tiny has 0.8M, GPT3-125M 85M.
+CPU_SIZED_BLOCK_PARAMS = 10_000_000
+
+
+def cpu_default_hint(cfg: DictConfig, cuda_available: bool, model_choice: str | None = None) -> str | None:
+    """The line to print when a GPU-sized model is about to train on a CPU (None otherwise): a plain
+    `python train.py` on a laptop starts GPT3-125M for trainer.max_steps steps."""
+    block_params = 12 * cfg.model.n_layer * cfg.model.d_model**2
+    on_cpu = not cuda_available or cfg.trainer.get("accelerator") == "cpu"
+    if not on_cpu or block_params <= CPU_SIZED_BLOCK_PARAMS:
+        return None
+    name = f"model={model_choice} " if model_choice else ""
+    return (
+        f"training {name}({cfg.model.n_layer} layers, d_model {cfg.model.d_model}, {block_params / 1e6:.0f}M "
+        f"parameters in its blocks) for trainer.max_steps={cfg.trainer.max_steps} steps on the CPU: hours or "
+        "more. For a run of a few minutes use `python train.py experiment=cpu_tiny` (what `make train` runs "
+        "without a GPU)"
+    )
