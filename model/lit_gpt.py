@@ -32,9 +32,10 @@ class ResumeError(ValueError):
     """A checkpoint that does not fit the config; the message names the config key."""
 
 
-# GPTConfig fields that shape the weights, and the config key that sets each (others: model.<field>).
-SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio", "bias")
-CONFIG_KEY = {"vocab_size": "data.vocab_size", "seq_len": "seq_len"}
+# GPTConfig fields a resume may change (how the model runs, not what it computes); every other field must
+# equal the checkpoint's, and seq_len may change only with RoPE (a learned position table has its size).
+RUNTIME_FIELDS = ("attention", "dropout", "activation_checkpointing", "fp32_residual")
+CONFIG_KEY = {"vocab_size": "data.vocab_size", "seq_len": "seq_len"}  # the key that sets each (else model.<field>)
 # Optimizer settings that a resume takes from the config (the checkpoint keeps the moments and step count).
 OPTIMIZER_KEYS = ("lr", "betas", "eps")
 
@@ -133,7 +134,8 @@ class LitGPT(L.LightningModule):
         every optimizer and schedule setting (optim.optimizer.lr / betas / eps, optim.weight_decay,
         optim.warmup_steps, optim.min_lr_ratio, optim.grad_clip, trainer.max_steps) comes from the config."""
         saved = checkpoint.get("hyper_parameters", {}).get("model", {})
-        mismatched = [f for f in SHAPE_FIELDS if f in saved and saved[f] != getattr(self.cfg, f)]
+        free = RUNTIME_FIELDS + (("seq_len",) if self.cfg.pos_emb == "rope" else ())
+        mismatched = [f for f, v in asdict(self.cfg).items() if f not in free and f in saved and saved[f] != v]
         if mismatched:
             raise ResumeError("the checkpoint's model differs from the config: " + ", ".join(
                 f"{CONFIG_KEY.get(f, 'model.' + f)}={getattr(self.cfg, f)} here, {saved[f]} in the checkpoint"
