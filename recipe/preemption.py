@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from recipe.checkpoint_io import checksum_path
+from recipe.checkpoint_files import checksum_path
 
 
 class Preempted(RuntimeError):
