@@ -9,7 +9,7 @@ ARGS ?=
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
 .DEFAULT_GOAL := help
-.PHONY: help install build data train test test-gpu sanitize bench-kernel bench-e2e clean distclean
+.PHONY: help install build data train sample test test-gpu sanitize bench-kernel bench-e2e clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  %-13s %s\n", $$1, $$2}'
@@ -43,6 +43,12 @@ train: install build ## prepare data and train: GPU -> attention=flash (sdpa if 
 	  ok or print(f"make train: not using attention=flash: {why}", file=sys.stderr)'); \
 	echo "make train: $(PYTHON) train.py $$run_args $(ARGS)"; \
 	$(PYTHON) train.py $$run_args $(ARGS)
+
+sample: install build ## generate text from the last checkpoint of `make train` (ARGS='prompt="def main(" temperature=0')
+	@ckpt=$$(ls -td outputs/*/*/checkpoints/last.ckpt 2>/dev/null | head -n 1); \
+	[ -n "$$ckpt" ] || { echo "make sample: no outputs/*/*/checkpoints/last.ckpt yet; run make train first"; exit 1; }; \
+	echo "make sample: $(PYTHON) sample.py ckpt_path=$$ckpt $(ARGS)"; \
+	$(PYTHON) sample.py ckpt_path=$$ckpt $(ARGS)
 
 test: install build ## run the test suite (CPU tests always; GPU tests when a GPU and the built kernel are present)
 	$(PYTHON) -m pytest -q $(ARGS)

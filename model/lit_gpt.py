@@ -1,4 +1,4 @@
-"""The LightningModule: next-token loss, AdamW with warmup + cosine decay, val loss, a NaN guard.
+"""The LightningModule: next-token loss, AdamW with warmup + cosine decay, val loss and perplexity, a NaN guard.
 
 Throughput/MFU logging lives in model/perf.py (a callback); checkpointing is the Trainer's; gradient
 clipping is done here (on_before_optimizer_step), since Lightning will not clip for fused AdamW. The module
@@ -110,9 +110,22 @@ class LitGPT(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # Σ loss·batch size (on the device: no sync per step) and Σ batch size over this rank's batches
+        self._val_loss_sum, self._val_samples = torch.zeros((), device=self.device), 0
+
     def validation_step(self, batch, batch_idx: int) -> None:
         loss = self._loss(batch)
         self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
+        self._val_loss_sum += loss.detach().float() * batch[0].shape[0]
+        self._val_samples += batch[0].shape[0]
+
+    def on_validation_epoch_end(self) -> None:
+        # Perplexity = exp(mean token loss) over every rank's batches: the exp of val/loss (weighted by batch size,
+        # as Lightning averages it), not a mean of per-batch exps.
+        sums = torch.stack((self._val_loss_sum, torch.tensor(float(self._val_samples), device=self.device)))
+        loss_sum, samples = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        self.log("val/ppl", torch.exp(loss_sum / samples), prog_bar=True, on_step=False, on_epoch=True)
 
     def check_finite(self) -> None:
         if bool(self._nonfinite):
