@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from model.attention import check_attention_runs_on
+from model.checkpoint import check_model_matches
 from model.flops import flops_per_token
 from model.gpt import GPT, GPTConfig
 from model.loss import next_token_loss
@@ -32,10 +33,6 @@ class ResumeError(ValueError):
     """A checkpoint that does not fit the config; the message names the config key."""
 
 
-# GPTConfig fields a resume may change (how the model runs, not what it computes); every other field must
-# equal the checkpoint's, and seq_len may change only with RoPE (a learned position table has its size).
-RUNTIME_FIELDS = ("attention", "dropout", "activation_checkpointing", "fp32_residual")
-CONFIG_KEY = {"vocab_size": "data.vocab_size", "seq_len": "seq_len"}  # the key that sets each (else model.<field>)
 # Optimizer settings that a resume takes from the config (the checkpoint keeps the moments and step count).
 OPTIMIZER_KEYS = ("lr", "betas", "eps")
 
@@ -146,13 +143,9 @@ class LitGPT(L.LightningModule):
         the model's shape must equal the config's (checked here, before the weights load, naming the key);
         every optimizer and schedule setting (optim.optimizer.lr / betas / eps, optim.weight_decay,
         optim.warmup_steps, optim.min_lr_ratio, optim.grad_clip, trainer.max_steps) comes from the config."""
-        saved = checkpoint.get("hyper_parameters", {}).get("model", {})
-        free = RUNTIME_FIELDS + (("seq_len",) if self.cfg.pos_emb == "rope" else ())
-        mismatched = [f for f, v in asdict(self.cfg).items() if f not in free and f in saved and saved[f] != v]
-        if mismatched:
-            raise ResumeError("the checkpoint's model differs from the config: " + ", ".join(
-                f"{CONFIG_KEY.get(f, 'model.' + f)}={getattr(self.cfg, f)} here, {saved[f]} in the checkpoint"
-                for f in mismatched) + "; set these to the checkpoint's values to resume from it")
+        saved = checkpoint.get("hyper_parameters", {}).get("model")
+        if saved:
+            check_model_matches(saved, asdict(self.cfg), self._trainer.ckpt_path if self._trainer else "the checkpoint")
         step = int(checkpoint.get("global_step", 0))
         if self._trainer is not None and 0 < self.trainer.max_steps <= step:
             raise ResumeError(f"trainer.max_steps={self.trainer.max_steps} but the checkpoint is at step {step}: "
