@@ -163,3 +163,23 @@ def check_attention_supported(name: str, head_dim: int) -> None:
             f"{FLASH_MAX_HEAD_DIM}, but this model has d_model/n_head = {head_dim}. Change model.n_head "
             f"or model.d_model, or use attention=sdpa."
         )
+
+
+def check_attention(name: str, accelerator: str, precision: str) -> None:
+    """Fail before any work where the config cannot run `name`: an unknown name, flash off a CUDA GPU or
+    without its built extension, flash outside bf16/fp16. accelerator: "gpu" or "cpu"; precision: Lightning's."""
+    get_attention(name)
+    if name != "flash":
+        return
+    import flash_kernel
+
+    if accelerator != "gpu" or not flash_kernel.is_available():
+        why = f"trainer.accelerator={accelerator}" if accelerator != "gpu" else flash_kernel.unavailable_reason()
+        raise ValueError(
+            f"attention=flash needs the compiled kernel on a CUDA GPU, but: {why}. "
+            "Build it with `make build` on a GPU machine, or use attention=sdpa."
+        )
+    if not str(precision).startswith(("bf16", "16")):
+        raise ValueError(
+            f"attention=flash runs in bf16/fp16, but trainer.precision={precision}; use trainer.precision=bf16-mixed"
+        )

@@ -65,7 +65,6 @@ class LitGPT(L.LightningModule):
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95))
         self.compile = compile
         self.loss_fn = next_token_loss  # compiled in configure_model when compile=true
-        self.seq_len = self.cfg.seq_len
         # A device-side "loss was ever non-finite" flag: checking it costs a host sync, so it is read only
         # at logging intervals and before every checkpoint save, never every step.
         self.register_buffer("_nonfinite", torch.zeros((), dtype=torch.bool), persistent=False)
@@ -235,7 +234,3 @@ class LitGPT(L.LightningModule):
     def _fused_adamw_ok(self) -> bool:
         factory = getattr(self.optimizer_factory, "func", self.optimizer_factory)
         return factory is torch.optim.AdamW and self.device.type == "cuda"
-
-    @property
-    def model_config(self) -> dict[str, Any]:
-        return asdict(self.cfg)

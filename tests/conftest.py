@@ -1,4 +1,4 @@
-"""Shared test helpers: `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include
+"""Shared test fixtures: `data_cache` for CPU training runs (tests/run_overrides.py writes their overrides); `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include
 kernel headers, so no GPU and no torch is needed) and runs it."""
 
 import os
@@ -38,3 +38,10 @@ def host_check(tmp_path):
         return result.stdout.splitlines()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One small prepared stdlib cache for the session's training runs (tiny vocab: BPE training in seconds)."""
+    return tmp_path_factory.mktemp("data_cache")
+

@@ -11,37 +11,16 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import train as train_mod
+from run_overrides import tiny_run_overrides
 from model.lit_gpt import LitGPT, NonFiniteLossError
+from recipe.wandb_run import finish_logger
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    """One small prepared stdlib cache for the whole module (tiny vocab: BPE training in seconds)."""
-    return tmp_path_factory.mktemp("data_cache")
-
-
 def _overrides(data_cache, out, *extra):
-    return [
-        "experiment=cpu_tiny",
-        "seq_len=64",
-        "data.batch_size=4",
-        "data.num_workers=0",
-        "data.vocab_size=512",
-        "data.max_documents=60",
-        f"data.cache_dir={data_cache}",
-        "data.val_batches=2",
-        "trainer.max_steps=6",
-        "trainer.log_every_n_steps=2",
-        "trainer.val_check_interval=3",
-        "trainer.enable_model_summary=false",
-        "~callbacks.progress_bar",
-        "peak_tflops=1.0",  # a CPU has no table entry; an override makes MFU defined
-        f"output_dir={out}",
-        *extra,
-    ]
+    return tiny_run_overrides(data_cache, out, *extra)
 
 
 def _cfg(data_cache, out, *extra):
@@ -82,7 +61,7 @@ def test_wandb_service_failure_on_close_warns_instead_of_exiting(tmp_path, monke
 
     monkeypatch.setattr(wandb, "teardown", failing_teardown)
     with pytest.warns(UserWarning, match="W&B service exited with 3"):
-        train_mod.finish_logger(logger, type("Trainer", (), {"is_global_zero": True})(), ok=True)
+        finish_logger(logger, type("Trainer", (), {"is_global_zero": True})(), ok=True)
 
 
 def test_attention_is_checked_against_the_device_before_the_first_step(data_cache, tmp_path, monkeypatch):
@@ -157,7 +136,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(data_cache, tmp
     "extra, match",
     [
         (("attention=flash",), "attention=sdpa"),
-        (("data.seq_len=32",), "set the top-level seq_len"),
+        (("attention.name=flashy",), "unknown attention 'flashy'"),
         (("ckpt_path=/nonexistent.ckpt",), "does not exist"),
         (("+trainer.strategy=nope",), "not a strategy name"),
     ],
@@ -166,47 +145,6 @@ def test_bad_config_fails_before_any_work(data_cache, tmp_path, extra, match):
     with pytest.raises(train_mod.ConfigError, match=match):
         train_mod.train(_cfg(data_cache, tmp_path, "logger=none", *extra))
     assert not (tmp_path / "checkpoints").exists()
-
-
-def test_ddp_two_cpu_processes(data_cache, tmp_path):
-    """The real launch path: `python train.py trainer=ddp` on 2 CPU processes (gloo), one run directory."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "train.py", *_overrides(data_cache, tmp_path, "logger=csv", "trainer=ddp",
-           "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=4")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "world_size: 2" in proc.stdout + proc.stderr or "MEMBER: 2/2" in proc.stdout + proc.stderr
-    assert len(list((tmp_path / "csv").rglob("metrics.csv"))) == 1  # logged from rank 0 only
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    summary = json.loads((tmp_path / "metrics.json").read_text())  # what bench/e2e.py --gpus N reads
-    assert summary["world_size"] == 2 and summary["global_step"] == 4
-    assert summary["perf/tokens_per_s_total"] == pytest.approx(2 * summary["perf/tokens_per_s"])
-
-
-def _torchrun(data_cache, cwd, *launcher_args):
-    """`torchrun <launcher_args> train.py trainer=ddp ...` on 2 CPU processes, run directory left to Hydra."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    overrides = [o for o in _overrides(data_cache, cwd) if not o.startswith("output_dir=")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *launcher_args, str(REPO / "train.py"),
-           *overrides, "logger=csv", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-           "trainer.precision=32-true", "trainer.max_steps=4"]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_torchrun_ranks_share_one_run_directory(data_cache, tmp_path):
-    proc = _torchrun(data_cache, tmp_path, "--standalone")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "outputs").glob("*/*")  # not one per rank, though the ranks start apart
-    assert run_dir.name.startswith("torchrun-")
-    assert json.loads((run_dir / "metrics.json").read_text())["world_size"] == 2
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-
-
-def test_torchrun_without_a_shared_id_is_refused_with_the_fix(data_cache, tmp_path):
-    proc = _torchrun(data_cache, tmp_path, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29533", "--nnodes=1")
-    assert proc.returncode != 0  # torchrun exits 1 when a rank fails; the ranks print the reason
-    assert "error: torchrun without --standalone or --rdzv-id" in proc.stderr and "output_dir=" in proc.stderr
-    assert not list(tmp_path.rglob("checkpoints"))  # refused before any work
 
 
 @pytest.mark.parametrize("attention, advice", [("naive", "Use attention=flash or attention=sdpa"), ("sdpa", "global_batch_tokens")])
@@ -283,3 +221,18 @@ def test_two_ranks_train_like_one_accumulating_rank(data_cache, tmp_path):
     result = compare(curves["one"], curves["two"])
     assert len(result["val_steps"]) == 2  # validation at the same optimizer steps (4 and 8) in both runs
     assert result["max_rel_val_diff"] < 1e-4
+
+
+def test_progress_bar_of_a_resumed_run_has_a_total_and_counts_from_its_step():
+    from types import SimpleNamespace
+
+    from recipe.progress import StepProgressBar
+
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_steps=300, global_step=210)  # resumed at step 210 of 300
+    tqdm_bar = bar.init_train_tqdm()
+    try:
+        assert (tqdm_bar.total, tqdm_bar.n, tqdm_bar.initial) == (300, 210, 210)  # ETA from this run's steps
+        assert "210/300" in str(tqdm_bar)
+    finally:
+        tqdm_bar.close()

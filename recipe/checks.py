@@ -1,0 +1,126 @@
+"""Checks that refuse a config or a launch before any data or model work, naming the key to change.
+
+Lightning would otherwise fail deep inside the launch, on every rank at once, or not at all: two ranks
+given one GPU each train on cuda:0 until it runs out of memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from model.attention import check_attention
+from recipe.launch import Launcher, detect_launcher, visible_gpus
+
+
+class ConfigError(ValueError):
+    """A config or launch that cannot run; the message says which key or launcher setting to change."""
+
+
+def validate(cfg: DictConfig, launcher: Launcher | None = None) -> None:
+    try:
+        check_attention(cfg.attention.name, _accelerator(cfg.trainer), str(cfg.trainer.precision))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    # A file, or a directory: FSDP's sharded checkpoints (state_dict_type=sharded) are one file per rank.
+    if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).exists():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} does not exist; point it at a checkpoint of an earlier run")
+    validate_trainer(cfg.trainer, launcher or detect_launcher())
+
+
+def _accelerator(trainer: DictConfig) -> str:
+    """The accelerator the Trainer will pick: "gpu" or "cpu" (Lightning's "auto" takes a GPU when there is one)."""
+    name = str(trainer.get("accelerator", "auto"))
+    if name == "auto":
+        return "gpu" if visible_gpus() else "cpu"
+    return "gpu" if name == "cuda" else name
+
+
+def requested_devices(devices: Any) -> int | list[int] | None:
+    """What `trainer.devices` asks for per node: a count, a list of device indices, or None for "auto" / -1."""
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if devices in ("auto", "-1"):
+            return None
+        if "," in devices:  # "0,1": device indices
+            return [int(d) for d in devices.split(",") if d.strip()]
+        devices = int(devices)
+    if isinstance(devices, int):
+        return None if devices == -1 else devices
+    return [int(d) for d in devices]  # a list of device indices
+
+
+def validate_trainer(trainer: DictConfig, launcher: Launcher) -> None:
+    """GPUs, ranks, strategy and process-group backend."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = trainer.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
+        raise ConfigError(
+            f"trainer.strategy={strategy!r} is not a strategy name; use trainer=ddp or trainer=fsdp "
+            f"(conf/trainer/), or one of Lightning's: {', '.join(StrategyRegistry.available_strategies())}"
+        )
+    on_gpu = _accelerator(trainer) == "gpu"
+    visible = visible_gpus()
+    if on_gpu and visible == 0:
+        raise ConfigError(
+            "trainer.accelerator=gpu but no CUDA GPU is visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            "on a CPU machine use trainer=default or trainer.accelerator=cpu"
+        )
+    wanted = requested_devices(trainer.get("devices", "auto"))
+    if isinstance(wanted, list) and len(set(wanted)) < len(wanted):
+        raise ConfigError(f"ranks would share a GPU: trainer.devices={list(wanted)} names a device twice")
+    count = len(wanted) if isinstance(wanted, list) else wanted
+    if launcher.external:
+        _check_launch_world(trainer, launcher, count, visible if on_gpu else None)
+    elif on_gpu and count is not None and count > visible:
+        raise ConfigError(
+            f"more ranks than GPUs: trainer.devices={trainer.devices} asks for {count} GPUs per node, but this node "
+            f"has {visible}; use trainer.devices={visible} (or auto), and trainer.num_nodes for more nodes"
+        )
+    if on_gpu:
+        _check_nccl(strategy)
+
+
+def _check_launch_world(trainer: DictConfig, launcher: Launcher, count: int | None, visible: int | None) -> None:
+    """Under torchrun / srun the launcher fixed the world; the Trainer's devices × num_nodes must be that world,
+    and each rank of a node needs a GPU of its own."""
+    what = f"{launcher.name} started {launcher.ranks_per_node} rank(s) per node, {launcher.world_size} in all"
+    if visible is not None and launcher.ranks_per_node > visible:
+        raise ConfigError(
+            f"more ranks than GPUs: {what}, but this node has {visible} visible GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {visible} "
+            "ranks per node (torchrun --nproc_per_node, srun --ntasks-per-node), each rank seeing every GPU of the node"
+        )
+    per_node = count if count is not None else (visible if visible is not None else 1)  # Lightning's "auto"
+    if per_node < launcher.ranks_per_node:
+        device = "GPU" if visible is not None else "CPU device"
+        raise ConfigError(
+            f"ranks would share a {device}: {what}, but trainer.devices={trainer.devices} gives this node {per_node} "
+            f"device(s), so ranks {per_node}..{launcher.ranks_per_node - 1} would run on a device another rank uses. "
+            "Leave trainer.devices at its default (it follows the launch), or set "
+            f"trainer.devices={launcher.ranks_per_node}"
+        )
+    num_nodes = int(trainer.get("num_nodes", 1))
+    if per_node * num_nodes != launcher.world_size:
+        raise ConfigError(
+            f"the launch's world does not match the Trainer's: {what}, but trainer.devices × trainer.num_nodes = "
+            f"{per_node} × {num_nodes} = {per_node * num_nodes}. Leave both at their defaults (they follow the "
+            f"launch), or set trainer.devices={launcher.ranks_per_node} trainer.num_nodes={launcher.num_nodes}"
+        )
+
+
+def _check_nccl(strategy: Any) -> None:
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy)
+    backend = strategy.get("process_group_backend") if isinstance(strategy, DictConfig) else None
+    distributed = any(name in target.lower() for name in ("ddp", "fsdp"))
+    if distributed and backend in (None, "nccl") and not torch.distributed.is_nccl_available():
+        raise ConfigError(
+            f"trainer.strategy ({target}) on GPUs needs NCCL, which this torch build ({torch.__version__}) lacks; "
+            "install a CUDA build of torch with NCCL, or set +trainer.strategy.process_group_backend=gloo (slow)"
+        )
