@@ -7,6 +7,10 @@ PYTHON ?= $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 ARGS ?=
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+# What `make train` and `make data` run on this machine (recipe/default_run.py): attention=flash on a GPU with
+# the built kernel, attention=sdpa on a GPU without it, experiment=cpu_tiny without a GPU. Expanded when a
+# recipe runs, after install.
+RUN_ARGS = $(shell $(PYTHON) -m recipe.default_run)
 
 .DEFAULT_GOAL := help
 .PHONY: help install build data train sample test test-gpu sanitize bench-kernel bench-e2e clean distclean
@@ -32,16 +36,12 @@ endif
 build: install ## compile the flash_kernel CUDA extension in place (skips, saying why, without CUDA)
 	$(PYTHON) -m flash_kernel.build
 
-data: install ## prepare the default data (stdlib corpus -> BPE tokenizer -> uint16 shards) under .cache/
-	$(PYTHON) -m data.prepare
+data: install ## prepare the data `make train` will use (corpus -> BPE tokenizer -> uint16 shards) under .cache/
+	@run_args="$(RUN_ARGS)"; echo "make data: $(PYTHON) -m recipe.prepare_data $$run_args $(ARGS)"; \
+	$(PYTHON) -m recipe.prepare_data $$run_args $(ARGS)
 
 train: install build ## prepare data and train: GPU -> attention=flash (sdpa if the kernel is unavailable); CPU -> experiment=cpu_tiny
-	@run_args=$$($(PYTHON) -c 'import sys, torch, flash_kernel as fk; \
-	  ok = torch.cuda.is_available() and fk.is_available(); \
-	  why = "no CUDA GPU" if not torch.cuda.is_available() else fk.unavailable_reason(); \
-	  print("attention=flash" if ok else ("attention=sdpa" if torch.cuda.is_available() else "experiment=cpu_tiny")); \
-	  ok or print(f"make train: not using attention=flash: {why}", file=sys.stderr)'); \
-	echo "make train: $(PYTHON) train.py $$run_args $(ARGS)"; \
+	@run_args="$(RUN_ARGS)"; echo "make train: $(PYTHON) train.py $$run_args $(ARGS)"; \
 	$(PYTHON) train.py $$run_args $(ARGS)
 
 sample: install build ## generate text from the last checkpoint of `make train` (ARGS='prompt="def main(" temperature=0')
@@ -51,7 +51,7 @@ sample: install build ## generate text from the last checkpoint of `make train` 
 	$(PYTHON) sample.py ckpt_path=$$ckpt $(ARGS)
 
 test: install build ## run the test suite (CPU tests always; GPU tests when a GPU and the built kernel are present)
-	$(PYTHON) -m pytest -q $(ARGS)
+	PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider $(ARGS)  # leaves nothing in the tree
 
 test-gpu: install build ## only the GPU tests (kernel correctness), failing if they would skip
 	$(PYTHON) -c "import torch, flash_kernel as fk, sys; sys.exit(0 if torch.cuda.is_available() and fk.is_available() else 'test-gpu: ' + str(fk.unavailable_reason()))"
@@ -70,7 +70,7 @@ bench-e2e: install build ## end-to-end GPT throughput/MFU through the real pipel
 
 clean: ## remove build outputs (keeps .venv and the data cache)
 	rm -rf flash_kernel/_build flash_kernel/_C*.so build *.egg-info .pytest_cache
-	find . -name __pycache__ -prune -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean ## also remove .venv, data caches and run directories
 	rm -rf $(VENV) .cache outputs multirun lightning_logs wandb
