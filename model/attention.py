@@ -1,6 +1,6 @@
 """The attention implementations a GPT block can run, one function each, picked by config name.
 
-Every function has the same signature and layout (DESIGN.md, "Interfaces"):
+Every function has the same signature and layout:
 
     fn(q, k, v, causal=True, softmax_scale=None) -> o
     q: (B, Tq, Hq, D)   k, v: (B, Tk, Hkv, D) with Hq % Hkv == 0   o: (B, Tq, Hq, D)

@@ -13,7 +13,7 @@ token embedding. Each option's default is GPT-3's:
   up projections are one matmul. bias: biases in every Linear and LayerNorm.
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
-projection (DESIGN.md, "Interfaces"). A KVCache makes the forward incremental for generation.
+projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
 """
 
 from __future__ import annotations
