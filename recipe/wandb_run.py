@@ -54,7 +54,7 @@ def describe_logger(logger) -> str | None:
     if logger._offline:
         where = Path(os.path.relpath(Path(logger.save_dir or ".") / "wandb"))
         return (
-            f"W&B offline (no API key or no network): the run is written under {where}/; "
+            f"W&B offline (WANDB_MODE, no API key, or no network): the run is written under {where}/; "
             f"upload it later with `wandb sync {where}/offline-run-*`"
         )
     return f"W&B run: {logger.experiment.url}"
