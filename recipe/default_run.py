@@ -13,16 +13,18 @@ import sys
 
 import torch
 
+from model.attention import check_attention
+
 
 def default_overrides() -> tuple[list[str], str | None]:
     """(overrides, why flash is not used or None)."""
     if not torch.cuda.is_available():
         return ["experiment=cpu_tiny"], "no CUDA GPU"
-    import flash_kernel
-
-    if flash_kernel.is_available():
-        return ["attention=flash"], None
-    return ["attention=sdpa"], flash_kernel.unavailable_reason()
+    try:
+        check_attention("flash", "gpu", "bf16-mixed")  # the check train.py runs
+    except ValueError as err:
+        return ["attention=sdpa"], str(err)
+    return ["attention=flash"], None
 
 
 if __name__ == "__main__":

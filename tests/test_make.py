@@ -81,3 +81,22 @@ def test_a_first_cpu_run_prints_what_helps_and_nothing_else(data_cache, tmp_path
     output = proc.stdout + proc.stderr
     for noise in ("Tip:", "LeafSpec", "anonymous", "wandb:", "TPU available", "dirpath has changed"):
         assert noise not in output, noise
+
+
+def test_make_train_picks_flash_only_where_its_check_passes(monkeypatch):
+    import torch
+
+    from recipe import default_run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_run.default_overrides() == (["experiment=cpu_tiny"], "no CUDA GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(default_run, "check_attention", lambda *args: None)
+    assert default_run.default_overrides() == (["attention=flash"], None)
+
+    def refuse(*args):
+        raise ValueError("attention=flash needs the compiled kernel (test)")
+
+    monkeypatch.setattr(default_run, "check_attention", refuse)
+    overrides, why = default_run.default_overrides()
+    assert overrides == ["attention=sdpa"] and "compiled kernel" in why
