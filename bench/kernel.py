@@ -14,7 +14,7 @@ algorithm; skipped, with a note, when `flash_attn.cute` does not import). `--inp
   bthd    every method the same (B, T, H, D) tensors, PyTorch's through (B, H, T, D) views of them: what the
           GPT's qkv projection produces and passes to either attention, and what the FA2 paper's benchmark
           gives FlashAttention. The two differ: on the H100, FA2's backward ran 0-31% faster on these, most at
-          short T (docs/kernel_notes.md, "v27").
+          short T (docs/results.md, section 1).
 OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
 
     python bench/kernel.py                                   # everything (~10 min on an H100)
@@ -25,7 +25,7 @@ OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
                                                              # in turn, 5 times per mode: ratios that clock drift spares
 
 Parts merge into bench/results/kernel.json (one entry per device, inputs, method, hd, causal, T, mode), so a
-benchmark can be run in pieces that each fit a short GPU allocation. The figure goes to
+benchmark can be run in pieces of a few minutes each. The figure goes to
 bench/results/kernel_<device>.png, or kernel_<device>_bthd.png for --inputs bthd (rows: fwd+bwd, fwd, bwd;
 one panel per hd x causal).
 """
@@ -42,7 +42,6 @@ import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -69,7 +68,7 @@ LABELS = {
     "ours_sm80": "ours, sm80 kernels",
 }
 INPUTS = ["native", "bthd"]  # --inputs (module docstring); rows without the field are "native"
-OURS = ("ours", "ours_sm80")  # ours_sm80: FLASH_KERNEL_FWD=FLASH_KERNEL_BWD=sm80, the mma.sync kernels a Hopper GPU can also run
+OURS = ("ours", "ours_sm80")  # ours_sm80: the mma.sync kernels a Hopper GPU can also run (set_kernel_overrides)
 BTHD_METHODS = (*OURS, "fa4")  # the methods that take (B, T, H, D) tensors in every --inputs kind
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
@@ -168,8 +167,10 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         from flash_kernel import flash_attn_func
 
         fn = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
-        if method == "ours_sm80":  # the kernel binding reads FLASH_KERNEL_FWD / _BWD at every call
-            context = lambda: mock.patch.dict(os.environ, {"FLASH_KERNEL_FWD": "sm80", "FLASH_KERNEL_BWD": "sm80"})  # noqa: E731
+        if method == "ours_sm80":
+            from flash_kernel.interface import kernel_overrides
+
+            context = lambda: kernel_overrides(fwd="sm80", bwd="sm80")  # noqa: E731
     return (*leaves, do), fn, context
 
 
@@ -323,7 +324,7 @@ def _time_mode(mode: str, live: list, args) -> list[dict]:
 
 def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]:
     """Every requested case; on_progress(results so far) after each sequence length, so that a run stopped
-    by its allocation's time limit keeps what it measured. With args.rounds > 1 every method of a case stays
+    by a time limit keeps what it measured. With args.rounds > 1 every method of a case stays
     alive and each mode times the methods in turn, rounds times, --rep-ms each: a row's ms is the median of its
     rounds (all of them in ms_rounds), so a clock that drifts over the case (the H100's power cap) moves every
     method alike instead of whichever ran last."""

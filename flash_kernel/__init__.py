@@ -9,10 +9,10 @@
   and `naive_attention`, the materialised-softmax oracle the tests compare against.
 
 Importing this package never needs CUDA or the built extension; `_C` is loaded on first use.
-`KERNEL_VERSION` names the kernels' version in docs/kernel_notes.md; benchmark rows record it.
+`KERNEL_VERSION` names the kernels' version in docs/CHANGELOG.md; benchmark rows record it.
 """
 
-KERNEL_VERSION = "v32"  # docs/kernel_notes.md: bump with every change that moves the kernels' numbers
+KERNEL_VERSION = "v32"  # docs/CHANGELOG.md: bump with every change that moves the kernels' numbers
 
 from flash_kernel.interface import (
     check_bwd_inputs,

@@ -12,8 +12,8 @@ Environment:
                        run it; "90" instead builds the sm80 kernels only, for sm_90. Not both.
   MAX_JOBS             parallel compile jobs, default: all cores
   FLASH_KERNEL_NVCC_EXTRA  extra nvcc flags, shell-split and appended (default none), e.g.
-                       "-DFLASH_BWD_HD128_VARIANT=3" for the kernel variants of kernel_traits.h
-                       (bench/kernel_sweep.sh); only the .cu files recompile when it changes
+                       "-Xptxas -v" for the kernels' registers and spills; only the .cu files recompile when it
+                       changes
 Without CUDA (CPU-only torch, no CUDA device, or no CUDA_HOME) it prints why and exits 0, or 1 with --require.
 """
 

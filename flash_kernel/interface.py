@@ -15,19 +15,24 @@ kernels on qkv (B, T, 3, H, D) and writes the gradient as one dqkv tensor (no st
 under torch.compile they call the ops; in eager mode they call the same kernels through a plain
 torch.autograd.Function, because torch.library's per-call layers (dispatch, aliasing checks, the
 registered autograd) cost about 0.4 ms of host time per forward + backward, more than the GPU time of a
-small attention call (docs/kernel_notes.md, "Host time per call").
+small attention call (docs/results.md, "Host time per call").
 
 The compiled module flash_kernel._C is imported lazily, inside the op, so `import flash_kernel` works on
 a machine without CUDA or without the built extension; `is_available()` / `unavailable_reason()` say
 which. Layout is (B, T, H, D) with a contiguous last dim and arbitrary other strides (views of a fused
-qkv projection need no copy); k/v may have fewer heads than q (GQA/MQA). Head dims: multiples of 8 up
-to MAX_HEAD_DIM, forward and backward.
+qkv projection need no copy); k/v may have fewer heads than q (GQA/MQA). Head dims: multiples of
+HEAD_DIM_MULTIPLE up to MAX_HEAD_DIM, forward and backward.
+
+`set_kernel_overrides` / `kernel_overrides` are the tests' and benchmarks' switches (the sm80 kernels on a Hopper
+GPU, a smaller shared-memory limit, the causal block order's groups); nothing else changes which kernel runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -35,7 +40,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8  # 16-byte vector loads of fp16/bf16; the kernel rounds head dims up to its tile inside
-MAX_HEAD_DIM = 256  # largest head-dim instantiation in csrc, fwd and bwd (kernel_traits.h kMaxHeadDim)
+MAX_HEAD_DIM = 256  # largest head-dim instantiation in csrc, fwd and bwd: kernel_traits.h's kMaxHeadDim (a test checks)
 STRIDE_MULTIPLE = 8  # cp.async moves 16 bytes = 8 fp16/bf16: every row start must be 16-byte aligned
 
 _BUILD_HINT = "build it with `make build` (or `python -m flash_kernel.build`)"
@@ -62,7 +67,8 @@ def unavailable_reason(
 
     With a head_dim, also whether its forward and backward kernels can train at that head dim on `device`
     (default: the current CUDA device): a head dim outside the contract, or a GPU that gives a thread block less
-    shared memory than its smallest kernel configs ask for (under FLASH_KERNEL_MAX_SMEM_PER_BLOCK), is a reason too.
+    shared memory than its smallest kernel configs ask for (or set_kernel_overrides' max_smem_per_block), is a reason
+    too.
     """
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False); flash_kernel runs on NVIDIA GPUs only"
@@ -92,6 +98,31 @@ def _load_C() -> ModuleType:
     if C is None:
         raise RuntimeError(f"flash_kernel._C is not available ({_C_import_error}); {_BUILD_HINT}")
     return C
+
+
+def set_kernel_overrides(fwd: str = "auto", bwd: str = "auto", causal_group_heads: int = 0,
+                         max_smem_per_block: int = 0) -> None:
+    """Switches for tests and benchmarks, for every later call in this process; called with no arguments, the
+    defaults that every other caller gets.
+
+    fwd / bwd: "auto" (the sm_90a wgmma kernel where one is built for the head dim) or "sm80" (the mma.sync kernel
+    every sm80+ GPU runs), for the forward / backward on a Hopper GPU. causal_group_heads: 0 (sized to L2) or the
+    number of (batch, head) pairs per group of the causal forward's block order. max_smem_per_block: 0 (the
+    device's) or the bytes of shared memory a thread block may have, as on a smaller GPU: the sm80 kernels then
+    choose and refuse configs as there (A100: 166912, sm_86 / sm_89: 101376; the Hopper kernels ignore it, so pair
+    it with fwd = bwd = "sm80"). A bad value raises RuntimeError and leaves the switches as they were.
+    """
+    _load_C().set_overrides(fwd, bwd, causal_group_heads, max_smem_per_block)
+
+
+@contextlib.contextmanager
+def kernel_overrides(**overrides) -> Iterator[None]:
+    """set_kernel_overrides(**overrides) for the body of a with statement, then the defaults again."""
+    set_kernel_overrides(**overrides)
+    try:
+        yield
+    finally:
+        set_kernel_overrides()
 
 
 def _fail(msg: str) -> None:

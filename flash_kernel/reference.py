@@ -170,11 +170,11 @@ def reference_bwd(
     dk = torch.empty(B, Hq, seqlen_k, D, dtype=acc, device=q.device)
     dv = torch.empty(B, Hq, seqlen_k, D, dtype=acc, device=q.device)
 
-    for n0 in range(0, seqlen_k, block_n):  # one thread block per K/V block: dk_j, dv_j stay on chip
+    for n0 in range(0, seqlen_k, block_n):  # one thread block per K/V block: acc_dk, acc_dv stay on chip
         n1 = min(n0 + block_n, seqlen_k)
         k_j, v_j = k_[:, :, n0:n1], v_[:, :, n0:n1]  # (B, Hq, bn, D)
-        dk_j = torch.zeros(B, Hq, n1 - n0, D, dtype=acc, device=q.device)
-        dv_j = torch.zeros(B, Hq, n1 - n0, D, dtype=acc, device=q.device)
+        acc_dk = torch.zeros(B, Hq, n1 - n0, D, dtype=acc, device=q.device)
+        acc_dv = torch.zeros(B, Hq, n1 - n0, D, dtype=acc, device=q.device)
         for m0 in range(block_m * _m_block_min(n0, seqlen_q, seqlen_k, block_m, causal), seqlen_q, block_m):
             m1 = min(m0 + block_m, seqlen_q)
             q_i, do_i = q_[:, :, m0:m1], do_[:, :, m0:m1]  # (B, Hq, bm, D)
@@ -182,14 +182,14 @@ def reference_bwd(
             if _needs_mask(m0, n1, seqlen_q, seqlen_k, causal):
                 s = s.masked_fill(_causal_mask(m0, m1, n0, n1, seqlen_q, seqlen_k, q.device), -math.inf)
             p = torch.exp2(s * scale_log2 - lse_log2[:, :, m0:m1, None])  # P = exp(scale * S - LSE)
-            dv_j += p.transpose(-1, -2) @ do_i  # dV_j += P^T dO_i
+            acc_dv += p.transpose(-1, -2) @ do_i  # dV_j += P^T dO_i
             dp = do_i @ v_j.transpose(-1, -2)  # dP = dO_i V_j^T, (B, Hq, bm, bn)
             ds = p * (dp - delta[:, :, m0:m1, None])  # dS = P o (dP - D_i); the softmax scale is applied below
-            dk_j += ds.transpose(-1, -2) @ q_i  # dK_j += dS^T Q_i
+            acc_dk += ds.transpose(-1, -2) @ q_i  # dK_j += dS^T Q_i
             dq_accum[:, :, m0:m1] += ds @ k_j  # dQ_i += dS K_j (atomicAdd in the kernel, or a separate pass)
         # d(scale * S) = dS, so dK and dQ each pick up the softmax scale once, at the end.
-        dk[:, :, n0:n1] = dk_j * softmax_scale
-        dv[:, :, n0:n1] = dv_j
+        dk[:, :, n0:n1] = acc_dk * softmax_scale
+        dv[:, :, n0:n1] = acc_dv
     dq = dq_accum * softmax_scale
 
     def _sum_groups(x: torch.Tensor) -> torch.Tensor:

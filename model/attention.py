@@ -134,15 +134,10 @@ def get_qkvpacked_attention(name: str) -> Callable[..., torch.Tensor] | None:
     return QKVPACKED_ATTENTION.get(name)
 
 
-# The flash kernel's head-dim contract (flash_kernel/interface.py checks it again at call time).
-FLASH_MAX_HEAD_DIM = 256
-FLASH_HEAD_DIM_MULTIPLE = 8
-
-
 def check_attention_runs_on(name: str, head_dim: int, device: torch.device) -> None:
     """Fail before the first step where `name` cannot run at head_dim on this device: flash needs its built
     extension, and a GPU whose thread blocks get the shared memory of its smallest kernel configs (99 KiB or less,
-    which every sm_80+ GPU gives; FLASH_KERNEL_MAX_SMEM_PER_BLOCK can ask for less)."""
+    which every sm_80+ GPU gives; flash_kernel.interface.set_kernel_overrides can ask for less)."""
     if name != "flash" or device.type != "cuda":
         return
     import flash_kernel
@@ -155,12 +150,13 @@ def check_attention_runs_on(name: str, head_dim: int, device: torch.device) -> N
 def check_attention_supported(name: str, head_dim: int) -> None:
     """Fail at model construction, not at the first step, for a head dim an implementation lacks."""
     get_attention(name)
-    if name in ("flash", "flash_reference") and (
-        head_dim > FLASH_MAX_HEAD_DIM or head_dim % FLASH_HEAD_DIM_MULTIPLE
-    ):
+    # The flash kernel's head-dim contract, which flash_kernel/interface.py checks again at call time.
+    from flash_kernel.interface import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+
+    if name in ("flash", "flash_reference") and (head_dim > MAX_HEAD_DIM or head_dim % HEAD_DIM_MULTIPLE):
         raise ValueError(
-            f"attention={name} supports head dims that are multiples of {FLASH_HEAD_DIM_MULTIPLE} up to "
-            f"{FLASH_MAX_HEAD_DIM}, but this model has d_model/n_head = {head_dim}. Change model.n_head "
+            f"attention={name} supports head dims that are multiples of {HEAD_DIM_MULTIPLE} up to "
+            f"{MAX_HEAD_DIM}, but this model has d_model/n_head = {head_dim}. Change model.n_head "
             f"or model.d_model, or use attention=sdpa."
         )
 

@@ -2,15 +2,13 @@
 //
 // The hardware starts thread blocks in linear blockIdx order as SMs free up. In a causal forward, query
 // block i visits i + 1 key blocks, so however each head's blocks are ordered, the last wave holds one head's
-// blocks of every length, and the SMs that finish their short ones idle while the long ones run: 5-8% of the
-// makespan at B*H = 32-256 in a greedy-schedule model of 132 SMs with one block each (docs/kernel_notes.md,
-// "v10 and v11"). Ordering every block of the grid longest-first removes that tail, but spreads the blocks
-// running together over all heads, whose K and V would then no longer be shared in L2; so the heads go in
-// groups whose K and V fit kCausalGroupBytes (a third of H100's L2), longest-first within each group (the
-// model: within 2% of the ideal makespan). Measured against the grid order on the H100 (causal, T = 2k-16k):
-// the Hopper forward -7 to +6% at hd128 (+1 to +5% at 2k-8k) and -2 to +4% at hd64, the sm80 forward +1 to
-// +10%; at T = 1k the Hopper forward is 2-6% slower. The backward (key block j is visited by n_blocks - j
-// query blocks) measured -6 to +4% in two calls, i.e. nothing, and keeps the grid order.
+// blocks of every length, and the SMs that finish their short ones idle while the long ones run (5-8% of the
+// makespan at B*H = 32-256 in a greedy-schedule model of 132 SMs with one block each). Ordering every block of
+// the grid longest-first removes that tail, but spreads the blocks running together over all heads, whose K and V
+// would then no longer be shared in L2; so the heads go in groups whose K and V fit kCausalGroupBytes (a third of
+// H100's L2), longest-first within each group (the model: within 2% of the ideal makespan). Both forwards use it;
+// the backward (key block j is visited by n_blocks - j query blocks) gains nothing from it and keeps the grid
+// order.
 #pragma once
 
 #include <algorithm>

@@ -3,8 +3,7 @@
 // Why: for `n / d` with a runtime d nvcc emits ~16 instructions around a MUFU.RCP and two conversions, about 100
 // cycles from n to the quotient. The Hopper forward finds each tile's (query block, head, batch) with three such
 // divisions in a row, twice per tile (the loader in the tile's last turn, every thread at the next one's start), on
-// the path from one tile's last matmul to the next one's first (docs/kernel_notes.md, "Where the Hopper forward's
-// time goes").
+// the path from one tile's last matmul to the next one's first.
 //
 // The method is Granlund and Montgomery's ("Division by invariant integers using multiplication", PLDI 1994)
 // round-up multiplier. For 1 <= d < 2^31 let l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, which is below

@@ -5,6 +5,8 @@
 // Both write into caller-allocated outputs (which may be poisoned; every element is written), validate
 // every input with an error that names the tensor, refuse a GPU whose thread blocks get less shared memory
 // than the kernel asks for (saying what to use instead), and launch on the current CUDA stream.
+// set_overrides(fwd, bwd, causal_group_heads, max_smem_per_block): the tests' and benchmarks' switches (Overrides
+// below); nothing else changes which kernel runs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
@@ -12,7 +14,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "causal_order.h"
@@ -91,44 +92,67 @@ Sizes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     return s;
 }
 
-// The kernels a Hopper GPU runs, per pass: "auto" (default) = the sm_90a wgmma kernel where one is built for
-// the head dim, "sm80" = the mma.sync kernel every sm80+ GPU runs (tests and benchmarks compare the two).
-// Environment variables FLASH_KERNEL_FWD and FLASH_KERNEL_BWD, read at every call.
-bool sm90_allowed(const char* variable, const char* pass, int device_index) {
-    const char* env = std::getenv(variable);
-    const std::string choice = env == nullptr ? "" : env;
-    TORCH_CHECK(choice.empty() || choice == "auto" || choice == "sm80", "flash_kernel: ", variable, "=", choice,
-                " is not a ", pass, " path; use auto (the default) or sm80");
-    const auto* prop = at::cuda::getDeviceProperties(device_index);
-    return prop->major == 9 && prop->minor == 0 && choice != "sm80";
+// Switches for tests and benchmarks, set by set_overrides (flash_kernel.interface.set_kernel_overrides) and read by
+// every call; the defaults are what every other caller gets.
+struct Overrides {
+    // The kernels a Hopper GPU runs, per pass: the sm_90a wgmma kernel where one is built for the head dim, or (true)
+    // the mma.sync kernel every sm80+ GPU runs (tests and benchmarks compare the two).
+    bool fwd_sm80 = false;
+    bool bwd_sm80 = false;
+    // The groups of the causal forward's block order (causal_order.h): 0 sizes them to L2 from the K and V bytes of
+    // a query head; N >= 1 makes them N (batch, head) pairs (tests of short last groups, tuning).
+    int64_t causal_group_heads = 0;
+    // 0, or N bytes: the sm80 kernels choose their variant and are checked as on a GPU whose thread blocks get
+    // at most N (set_smem_limits).
+    int64_t max_smem_per_block = 0;
+};
+Overrides g_overrides;
+
+// "auto" (the default) or "sm80", the two kernel paths of a pass on a Hopper GPU.
+bool sm80_forced(const std::string& choice, const char* pass) {
+    TORCH_CHECK(choice == "auto" || choice == "sm80", "flash_kernel: ", pass, "=", choice, " is not a ",
+                pass == std::string("fwd") ? "forward" : "backward", " path; use auto (the default) or sm80");
+    return choice == "sm80";
 }
-bool sm90_forward_allowed(int device_index) { return sm90_allowed("FLASH_KERNEL_FWD", "forward", device_index); }
-bool sm90_backward_allowed(int device_index) { return sm90_allowed("FLASH_KERNEL_BWD", "backward", device_index); }
+
+void set_overrides(const std::string& fwd, const std::string& bwd, int64_t causal_group_heads,
+                   int64_t max_smem_per_block) {
+    Overrides o;
+    o.fwd_sm80 = sm80_forced(fwd, "fwd");
+    o.bwd_sm80 = sm80_forced(bwd, "bwd");
+    TORCH_CHECK(causal_group_heads >= 0, "flash_kernel: causal_group_heads=", causal_group_heads,
+                " is not a positive integer (or 0: sized to L2)");
+    TORCH_CHECK(max_smem_per_block >= 0, "flash_kernel: max_smem_per_block=", max_smem_per_block,
+                " is not a positive number of bytes (or 0: the device's)");
+    o.causal_group_heads = causal_group_heads;
+    o.max_smem_per_block = max_smem_per_block;
+    g_overrides = o;
+}
+
+bool is_sm90(int device_index) {
+    const auto* prop = at::cuda::getDeviceProperties(device_index);
+    return prop->major == 9 && prop->minor == 0;
+}
+bool sm90_forward_allowed(int device_index) { return is_sm90(device_index) && !g_overrides.fwd_sm80; }
+bool sm90_backward_allowed(int device_index) { return is_sm90(device_index) && !g_overrides.bwd_sm80; }
 
 // The groups of the causal forward's block order (causal_order.h): sized to L2 from the K and V bytes of a
-// query head, unless FLASH_KERNEL_CAUSAL_GROUP_HEADS=N (N >= 1) sets them (tests of short last groups, tuning).
+// query head, unless the causal_group_heads override sets them.
 int causal_order_group_heads(int64_t kv_bytes_per_head, int64_t all_heads) {
-    const char* env = std::getenv("FLASH_KERNEL_CAUSAL_GROUP_HEADS");
-    if (env == nullptr || *env == '\0') return flash::causal_group_heads(kv_bytes_per_head, all_heads);
-    char* end = nullptr;
-    const long long n = std::strtoll(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && n >= 1, "flash_kernel: FLASH_KERNEL_CAUSAL_GROUP_HEADS=", env, " is not a positive integer");
-    return static_cast<int>(std::min<long long>(n, std::max<int64_t>(1, all_heads)));
+    const int64_t n = g_overrides.causal_group_heads;
+    if (n == 0) return flash::causal_group_heads(kv_bytes_per_head, all_heads);
+    return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(1, all_heads)));
 }
 
-// The shared memory one thread block, and one SM, of this GPU may have: the device's, or less where
-// FLASH_KERNEL_MAX_SMEM_PER_BLOCK=N (bytes) is set. The sm80 kernels then choose their variant and are checked as on a
-// GPU whose blocks get N (A100: 166912; sm_86 / sm_89: 101376), so an H100 runs and tests what those GPUs run; with
-// FLASH_KERNEL_FWD=sm80 and FLASH_KERNEL_BWD=sm80, as the Hopper kernels ignore it. Every sm80+ GPU's SM holds
-// one block's driver reserve more than a block may have (A100: 164 / 163 KiB).
+// The shared memory one thread block, and one SM, of this GPU may have: the device's, or less under the
+// max_smem_per_block override. The sm80 kernels then choose their variant and are checked as on a GPU whose blocks
+// get that many bytes (A100: 166912; sm_86 / sm_89: 101376), so an H100 runs and tests what those GPUs run; with
+// fwd and bwd "sm80", as the Hopper kernels ignore it. Every sm80+ GPU's SM holds one block's driver reserve more
+// than a block may have (A100: 164 / 163 KiB).
 void set_smem_limits(flash::FwdParams& p, const cudaDeviceProp* props) {
     int per_block = static_cast<int>(props->sharedMemPerBlockOptin);
-    if (const char* env = std::getenv("FLASH_KERNEL_MAX_SMEM_PER_BLOCK"); env != nullptr && *env != '\0') {
-        char* end = nullptr;
-        const long long n = std::strtoll(env, &end, 10);
-        TORCH_CHECK(*end == '\0' && n >= 1, "flash_kernel: FLASH_KERNEL_MAX_SMEM_PER_BLOCK=", env,
-                    " is not a positive number of bytes");
-        per_block = static_cast<int>(std::min<long long>(n, per_block));
+    if (g_overrides.max_smem_per_block > 0) {
+        per_block = static_cast<int>(std::min<int64_t>(g_overrides.max_smem_per_block, per_block));
     }
     p.smem_per_block_optin = per_block;
     p.smem_per_sm =
@@ -137,7 +161,7 @@ void set_smem_limits(flash::FwdParams& p, const cudaDeviceProp* props) {
 
 // Empty where the sm80 kernel of this pass (the one that runs for p.d_rounded on a GPU with p's limits) fits one
 // thread block; else why not, and what to use instead. Every config has a variant for 99 KiB (sm_86 / sm_89), so
-// on a real sm80+ GPU this refuses only under FLASH_KERNEL_MAX_SMEM_PER_BLOCK.
+// on a real sm80+ GPU this refuses only under the max_smem_per_block override.
 std::string sm80_smem_shortfall(const flash::FwdParams& p, bool backward, int device_index) {
     const int need = backward ? flash::sm80_bwd_smem_bytes(p) : flash::sm80_fwd_smem_bytes(p);
     if (need <= p.smem_per_block_optin) return "";
@@ -148,7 +172,7 @@ std::string sm80_smem_shortfall(const flash::FwdParams& p, bool backward, int de
                       props->name + " (sm_" + std::to_string(props->major) + std::to_string(props->minor) +
                       ") gives a block at most " + kib(p.smem_per_block_optin) + " KiB";
     if (p.smem_per_block_optin < static_cast<int>(props->sharedMemPerBlockOptin)) {
-        msg += " under FLASH_KERNEL_MAX_SMEM_PER_BLOCK";
+        msg += " under the max_smem_per_block override";
     }
     // Where no config fits, `need` is the smallest one's (fwd_variant / bwd_variant fall back to it).
     return msg + ". Use PyTorch's scaled_dot_product_attention (attention=sdpa in train.py) on this GPU instead.";
@@ -174,7 +198,7 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.d = static_cast<int>(s.d);
     p.d_rounded = flash::round_head_dim(p.d);
     p.scale_softmax = static_cast<float>(softmax_scale);
-    p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    p.scale_softmax_log2 = static_cast<float>(softmax_scale * flash::kLog2eDouble);
     p.is_causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();  // the caller's device guard is set
@@ -359,8 +383,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));
     m.def("sm80_smem_bytes", &sm80_smem_bytes,
           "dynamic shared memory per thread block of the sm80 forward (or main backward) kernel for this head dim "
-          "on this CUDA device, under FLASH_KERNEL_MAX_SMEM_PER_BLOCK where set",
+          "on this CUDA device, under the max_smem_per_block override where set",
           py::arg("head_dim"), py::arg("device_index"), py::arg("backward"));
+    m.def("set_overrides", &set_overrides,
+          "tests' and benchmarks' switches, for every later call: fwd / bwd 'auto' or 'sm80' (the kernel a Hopper GPU "
+          "runs), causal_group_heads (0: sized to L2), max_smem_per_block (bytes; 0: the device's)",
+          py::arg("fwd"), py::arg("bwd"), py::arg("causal_group_heads"), py::arg("max_smem_per_block"));
     m.def("unsupported_reason", &unsupported_reason,
           "empty where the forward and backward kernels for this head dim fit this CUDA device, else why not",
           py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));

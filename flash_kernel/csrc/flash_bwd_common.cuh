@@ -40,8 +40,6 @@
 
 namespace flash {
 
-constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * log2e)
-
 // The two row kernels around the main one (preprocess, dQ convert): a thread block of kRowKernelThreads takes
 // kRows query rows of one (batch, head) (grid: row blocks x heads x batch, so no thread divides a flat index),
 // kRowThreads threads per row, each moving 16 bytes of the input dtype per step: the whole row in one step

@@ -129,10 +129,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // dQ_i of query block m_block, staged in sdQ, added into dq_accum by the TMA unit: one bulk reduce-add of the
     // tile's rows (as many as Tq has) from thread 0, in the chunk-swizzled layout that dq_accum shares with sdQ
-    // (dq_accum_chunk, dq_accum_layout.h). The threads' own adds (v7-v17: 16-byte red.global.add from sdQ,
-    // split around the tensor-core windows) took issue slots and LSU bandwidth from the softmax's warps; this
-    // runs the backward 4-11% faster (docs/kernel_notes.md, "v18"). Thread 0 waits for the reduce's
-    // shared-memory reads before the barrier that precedes the next sdQ stores.
+    // (dq_accum_chunk, dq_accum_layout.h). The threads' own adds (16-byte red.global.add from sdQ) would take issue
+    // slots and LSU bandwidth from the softmax's warps. Thread 0 waits for the reduce's shared-memory reads before
+    // the barrier that precedes the next sdQ stores.
     auto reduce_dq = [&](int m_block) {
         if (tid == 0) {
             const int row0 = m_block * kBlockM;

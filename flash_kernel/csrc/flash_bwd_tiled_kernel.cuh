@@ -1,7 +1,6 @@
 // FlashAttention-2 backward main kernel (Alg. 2 lines 6-20; the algorithm text and the line numbers cited
 // here are in flash_bwd_common.cuh) with a configurable warp tiling of each matmul phase, set per head dim
-// by BwdVariantTraits (kernel_traits.h). v4's flash_bwd_kernel (deleted in v6) had this kernel's masking,
-// bounds and deterministic-mode rules, and the tiling of its kSdpWarpsQ = 1, !kDkFromSmem corner.
+// by BwdTiledTraits (kernel_traits.h).
 //
 // Why: with one m16 tile of keys per warp the backward reads (hd128) ~94 KB of shared memory per warp per
 // query block through ldmatrix for 320 MMAs (14 FLOP/byte), i.e. it is bound by shared-memory bandwidth
@@ -35,8 +34,8 @@ __device__ __forceinline__ void store_acc_tile(Element* s, const float (&acc)[kM
 // The order in which a thread block of this kernel walks its query blocks [m_min, m_max): iteration `it`
 // visits m_min + (it + rot) mod n. kRotate (the non-causal kernel): rot = n_block mod n, so that the blocks of
 // one head that run together (consecutive n_block) add into different dQ tiles instead of all into the same
-// one in lockstep: +2-5% on the sm80 backward at every non-causal shape measured (docs/kernel_notes.md, v15).
-// Causal blocks already start at different query blocks; the Hopper kernel gained nothing from it.
+// one in lockstep, which is faster at every non-causal shape measured. Causal blocks already start at different
+// query blocks; the Hopper kernel gains nothing from it.
 struct QueryBlockOrder {
     int m_min, n, rot;
     __device__ __forceinline__ int operator()(int it) const {
@@ -50,11 +49,11 @@ __device__ __forceinline__ QueryBlockOrder query_block_order(int m_min, int m_ma
     return {m_min, n, kRotate && n > 0 ? n_block % n : 0};
 }
 
-// Warp tiling (knobs in BwdVariantTraits). With kSdpWarpsQ = 1 and !kDkFromSmem it is v4's:
-// warp w owns keys [16w, 16w+16) for S^T, dP^T, dV and dK (P^T and dS^T stay in registers as A operands).
-// kSdpWarpsQ > 1 splits S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed
-// after the barrier; kDkFromSmem computes dK after the barrier from dS^T in shared memory, each with its
-// own (keys x columns) warp tile; kDqWarpsM < kBlockM / 16 gives dQ warps several m16 tiles.
+// Warp tiling (knobs in BwdTiledTraits). With kSdpWarpsQ = 1 a warp owns kBlockN / kNWarps keys and every query
+// of the block for S^T and dP^T, and P^T stays in registers as the A operand of dV += P^T dO; kSdpWarpsQ > 1 splits
+// S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed after the barrier. dK (and dV
+// there) run after the barrier on their own (keys x columns) warp tile, reading dS^T (P^T) from shared memory.
+// kDqWarpsM < kBlockM / 16 gives dQ warps several m16 tiles.
 template <typename Traits, bool kIsCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(const BwdParams params) {
     using Element = typename Traits::Element;
@@ -67,29 +66,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     using DsTile = typename Traits::DsTile;  // dS^T and P^T: padded rows of kBlockM queries
     constexpr int kDsStride = Traits::kSmemDsStride;
     constexpr int kOutCols = Traits::kOutCols;
-    constexpr int kNTilesD = kOutCols / kMmaN;  // n8 tiles of dK / dV per warp (from registers)
+    constexpr int kNTilesD = kOutCols / kMmaN;  // n8 tiles of dV per warp (P^T from registers)
     constexpr int kKStepsD = kHeadDim / kMmaK;
     constexpr int kKStepsM = kBlockM / kMmaK;
     constexpr int kKStepsN = kBlockN / kMmaK;
-    // S^T / dP^T warp tile: kSdpKTiles key m16 tiles x kSdpQCols queries (v4: 1 x kBlockM).
+    // S^T / dP^T warp tile: kSdpKTiles key m16 tiles x kSdpQCols queries.
     constexpr int kSdpWarpsK = kNWarps / Traits::kSdpWarpsQ;
     constexpr int kSdpKTiles = kBlockN / (kMmaM * kSdpWarpsK);
     constexpr int kSdpQCols = kBlockM / Traits::kSdpWarpsQ;
     constexpr int kNTilesM = kSdpQCols / kMmaN;  // n8 tiles of S^T / dP^T per warp (queries)
     constexpr bool kPInSmem = Traits::kSdpWarpsQ > 1;
-    constexpr bool kDkFromSmem = Traits::kDkFromSmem;
     constexpr bool kAddrInAsm = Traits::kLdsmAddrInAsm;  // ldmatrix_tile (utils.cuh)
-    // dK (kDkFromSmem) and dV (kPInSmem) computed after the barrier: kDkvKTiles key m16 tiles x kDkvCols.
+    // dK, and dV where P^T is in shared memory, computed after the barrier: kDkvKTiles key m16 tiles x kDkvCols.
     constexpr int kDkvWarpsK = kNWarps / Traits::kDkvWarpsD;
     constexpr int kDkvKTiles = kBlockN / (kMmaM * kDkvWarpsK);
     constexpr int kDkvCols = kOutCols / Traits::kDkvWarpsD;
     constexpr int kDkvNTiles = kDkvCols / kMmaN;
     constexpr int kDvKTiles = kPInSmem ? kDkvKTiles : 1, kDvNTiles = kPInSmem ? kDkvNTiles : kNTilesD;
-    constexpr int kDkKTiles = kDkFromSmem ? kDkvKTiles : 1, kDkNTiles = kDkFromSmem ? kDkvNTiles : kNTilesD;
     constexpr int kDqMTiles = kBlockM / (kMmaM * Traits::kDqWarpsM);
     constexpr int kDqNTiles = Traits::kDqCols / kMmaN;
     static_assert(kPInSmem || kSdpKTiles == 1, "P^T from registers: a warp's S^T tile is one m16 tile of keys");
-    static_assert(Traits::kDoStages == 2 || kDkFromSmem, "one dO stage is refilled after the barrier (late loads)");
     // Tile::step moves a lane's ldmatrix address by chunk offsets whose bits must be disjoint from the lane's own
     // column's: warps' column offsets (multiples of kOutCols, kDkvCols, kDqCols) must be powers of two.
     static_assert(!Tile::kSwizzled || ((kOutCols & (kOutCols - 1)) == 0 && (kDkvCols & (kDkvCols - 1)) == 0 &&
@@ -137,7 +133,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     const int dq_q0 = (warp % Traits::kDqWarpsM) * kDqMTiles * kMmaM, dq_c0 = (warp / Traits::kDqWarpsM) * Traits::kDqCols;
     // Byte offsets, inside a tile, of this lane's first ldmatrix address per operand; Tile::step walks from them.
     const uint32_t q_b_lane = Tile::index(sdp_q0 + b_row, b_col) * sizeof(Element);            // Q_i, dO_i as B
-    const uint32_t q_bt_lane = Tile::index(bt_row, col0 + bt_col) * sizeof(Element);           // Q_i, dO_i as B^T
+    const uint32_t q_bt_lane = Tile::index(bt_row, col0 + bt_col) * sizeof(Element);           // dO_i as B^T
     const uint32_t dkv_bt_lane = Tile::index(bt_row, col0 + dkv_c0 + bt_col) * sizeof(Element);  // after the barrier
     const uint32_t dq_bt_lane = Tile::index(bt_row, col0 + dq_c0 + bt_col) * sizeof(Element);     // K_j as B^T
     // This lane's first dQ element (row dq_q0 + g, column col0 + dq_c0 + 2t) in a query block's dq_accum rows, which
@@ -222,11 +218,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         }
         cp_async_commit();
 
-        float acc_dk[kDkKTiles][kDkNTiles][4], acc_dv[kDvKTiles][kDvNTiles][4];
+        float acc_dk[kDkvKTiles][kDkvNTiles][4], acc_dv[kDvKTiles][kDvNTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kDkKTiles; ++mt) {
+        for (int mt = 0; mt < kDkvKTiles; ++mt) {
 #pragma unroll
-            for (int i = 0; i < kDkNTiles; ++i) acc_dk[mt][i][0] = acc_dk[mt][i][1] = acc_dk[mt][i][2] = acc_dk[mt][i][3] = 0.f;
+            for (int i = 0; i < kDkvNTiles; ++i) acc_dk[mt][i][0] = acc_dk[mt][i][1] = acc_dk[mt][i][2] = acc_dk[mt][i][3] = 0.f;
         }
 #pragma unroll
         for (int mt = 0; mt < kDvKTiles; ++mt) {
@@ -241,28 +237,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             const int m_block = order(it);
             const int stage = it % Traits::kNStages;
             const int do_stage = Traits::kDoStages == 2 ? stage : 0;
-            if constexpr (!kDkFromSmem) {
-                // Prefetch i+1 into the other stage: last read in iteration i-1, before its second barrier.
-                if (it + 1 < order.n) {
-                    load_q(order(it + 1), stage ^ 1);
-                    load_do(order(it + 1), stage ^ 1);
-                    load_lse_delta(order(it + 1), stage ^ 1);
-                }
-                cp_async_commit();
-                cp_async_wait<1>();
-                __syncthreads();
-            } else {
-                // Q_{i-1} (the other stage) was read by dK after iteration i-1's second barrier, so Q_{i+1}
-                // may overwrite it only once every warp has passed this barrier.
-                cp_async_wait<0>();
-                __syncthreads();
-                if (it + 1 < order.n) {
-                    load_q(order(it + 1), stage ^ 1);
-                    if (Traits::kDoStages == 2) load_do(order(it + 1), stage ^ 1);
-                    load_lse_delta(order(it + 1), stage ^ 1);
-                }
-                cp_async_commit();
+            // Q_{i-1} (the other stage) was read by dK after iteration i-1's second barrier, so Q_{i+1}
+            // may overwrite it only once every warp has passed this barrier.
+            cp_async_wait<0>();
+            __syncthreads();
+            if (it + 1 < order.n) {
+                load_q(order(it + 1), stage ^ 1);
+                if (Traits::kDoStages == 2) load_do(order(it + 1), stage ^ 1);
+                load_lse_delta(order(it + 1), stage ^ 1);
             }
+            cp_async_commit();
 
             // This iteration's lane addresses (launder: utils.cuh).
             const uint32_t sQ_st = smem_addr(sQ) + stage * kQTileBytes, sdO_st = smem_addr(sdO) + do_stage * kQTileBytes;
@@ -380,39 +364,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                     }
                 }
             }
-            if constexpr (!kDkFromSmem) {
-                // Alg. 2 line 17: dK_j += dS^T Q_i (softmax_scale applied once in the epilogue).
-                const uint32_t q_bt = launder(sQ_st + q_bt_lane);
-#pragma unroll
-                for (int kk = 0; kk < kKStepsM; ++kk) {
-                    uint32_t a[4];
-                    a[0] = pack2<Element>(ds[0][2 * kk][0], ds[0][2 * kk][1]);
-                    a[1] = pack2<Element>(ds[0][2 * kk][2], ds[0][2 * kk][3]);
-                    a[2] = pack2<Element>(ds[0][2 * kk + 1][0], ds[0][2 * kk + 1][1]);
-                    a[3] = pack2<Element>(ds[0][2 * kk + 1][2], ds[0][2 * kk + 1][3]);
-                    // dS^T -> shared memory for line 16 (the previous iteration's readers passed this
-                    // iteration's first barrier).
-                    const int r = sdp_key0 + g;
-                    const int c = kk * kMmaK + 2 * t;
-                    *reinterpret_cast<uint32_t*>(sdS + r * kDsStride + c) = a[0];
-                    *reinterpret_cast<uint32_t*>(sdS + (r + 8) * kDsStride + c) = a[1];
-                    *reinterpret_cast<uint32_t*>(sdS + r * kDsStride + c + 8) = a[2];
-                    *reinterpret_cast<uint32_t*>(sdS + (r + 8) * kDsStride + c + 8) = a[3];
-#pragma unroll
-                    for (int dp = 0; dp < kNTilesD / 2; ++dp) {
-                        uint32_t b[4];
-                        ldmatrix_tile<Tile, true, kAddrInAsm>(b, q_bt, kk * kMmaK, dp * 16);
-                        Mma<Element>::run(acc_dk[0][2 * dp], a, b[0], b[1]);
-                        Mma<Element>::run(acc_dk[0][2 * dp + 1], a, b[2], b[3]);
-                    }
-                }
-            } else {
-                // dS^T (and P^T when dV needs other warps' queries) -> shared memory, for lines 13, 16, 17
-                // after the barrier. The previous iteration's readers passed this iteration's first barrier.
-                store_acc_tile<kSdpKTiles, kNTilesM, DsTile>(sdS, ds, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
-                if constexpr (kPInSmem) store_acc_tile<kSdpKTiles, kNTilesM, DsTile>(sP, p, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
-            }
-            __syncthreads();  // dS^T complete; with early loads also every read of this stage's Q_i / dO_i / L_i / D_i
+            // dS^T (and P^T when dV needs other warps' queries) -> shared memory, for lines 13, 16, 17
+            // after the barrier. The previous iteration's readers passed this iteration's first barrier.
+            store_acc_tile<kSdpKTiles, kNTilesM, DsTile>(sdS, ds, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
+            if constexpr (kPInSmem) store_acc_tile<kSdpKTiles, kNTilesM, DsTile>(sP, p, sdp_key0 + g, sdp_q0 + 2 * t, 1.f);
+            __syncthreads();  // dS^T (and P^T) complete
 
             if constexpr (kPInSmem) {
                 // Alg. 2 line 13: dV_j += P^T dO_i, this warp's (keys x columns) tile.
@@ -424,9 +380,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                 cp_async_commit();
             }
             // Alg. 2 line 17: dK_j += dS^T Q_i, this warp's (keys x columns) tile; here or after dQ_i's adds (kDqFirst).
-            // Generic, so that configs without kDkFromSmem never instantiate it.
-            auto dk_from_smem = [&](auto& acc) { mma_xt_y(acc, sdS, launder(sQ_st + dkv_bt_lane)); };
-            if constexpr (kDkFromSmem && !Traits::kDqFirst) dk_from_smem(acc_dk);
+            // The softmax scale is applied once, in the epilogue.
+            auto dk_from_smem = [&] { mma_xt_y(acc_dk, sdS, launder(sQ_st + dkv_bt_lane)); };
+            if constexpr (!Traits::kDqFirst) dk_from_smem();
 
             // Alg. 2 line 16: dQ_i += dS K_j, this warp's (16 kDqMTiles queries x kDqCols) tile.
             float dq[kDqMTiles][kDqNTiles][4];
@@ -455,15 +411,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             // Add dQ_i's tile into dq_accum. Columns at or past d get exact zeros (K_j's are zero-filled) in
             // zeroed columns that the convert kernel never reads, so only rows past Tq are skipped. One uniform
-            // branch on the mode, not one per add: with per-add row, column and mode branches this tail took 22% of
-            // the warps' stall samples (docs/kernel_notes.md, "v26").
+            // branch on the mode, not one per add: per-add row, column and mode branches make this tail a large share
+            // of the warps' stall samples.
             if constexpr (Traits::kDqStaged) {
                 // One m16 tile at a time through this warp's staging tile (BwdDqStagedTraits): fragments in, whole
                 // 16-byte row chunks out, so each add covers kDqStageRows rows of whole 128-byte lines. Staging the
-                // whole warp tile and reading it all before the first add ran the hd64 backward 1.5-3% slower: its
-                // adds waited on the SM's global-memory queue again (docs/kernel_notes.md, "v28"). Only a last,
-                // partial query block checks rows (a uniform branch): under a per-add check ptxas branched around
-                // every add.
+                // whole warp tile and reading it all before the first add is slower: its adds wait on the SM's
+                // global-memory queue again. Only a last, partial query block checks rows (a uniform branch): under a
+                // per-add check ptxas branches around every add.
                 float* dq_rows = launder(dq_accum + static_cast<int64_t>(query0) * kHeadDim + dq_stage_lane);
                 const int rows_left = seqlen_q - (query0 + dq_q0 + dq_stage_row);  // this lane's rows r < rows_left exist
                 const uint32_t st_at = launder(dq_st_lane), ld_at = launder(dq_ld_lane);
@@ -520,15 +475,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                     add_dq(red_add_f32x2);
                 }
             }
-            if constexpr (kDkFromSmem && Traits::kDqFirst) dk_from_smem(acc_dk);
+            if constexpr (Traits::kDqFirst) dk_from_smem();
         }
 
         // Alg. 2 line 19: stage dK_j (scaled) and dV_j through this block's K/V tiles (columns [0, kOutCols)),
         // then 16-byte stores to columns [col0, col0 + kOutCols).
         cp_async_wait<0>();  // nothing in flight may land in sK/sV after the staging stores
         __syncthreads();     // every warp finished reading sK / sV
-        store_acc_tile<kDkKTiles, kDkNTiles, Tile>(sK, acc_dk, (kDkFromSmem ? dkv_key0 : sdp_key0) + g,
-                                                   (kDkFromSmem ? dkv_c0 : 0) + 2 * t, params.scale_softmax);
+        store_acc_tile<kDkvKTiles, kDkvNTiles, Tile>(sK, acc_dk, dkv_key0 + g, dkv_c0 + 2 * t, params.scale_softmax);
         store_acc_tile<kDvKTiles, kDvNTiles, Tile>(sV, acc_dv, (kPInSmem ? dkv_key0 : sdp_key0) + g,
                                                    (kPInSmem ? dkv_c0 : 0) + 2 * t, 1.f);
         __syncthreads();

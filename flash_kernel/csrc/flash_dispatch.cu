@@ -37,25 +37,13 @@ int sm80_bwd_smem_bytes(const FwdParams& params) {
 }
 
 int bwd_block_n(int head_dim_rounded) {
-    switch (head_dim_rounded) {
-        case 32: return BwdConfig<32, __nv_bfloat16>::Traits::kBlockN;
-        case 64: return BwdConfig<64, __nv_bfloat16>::Traits::kBlockN;
-        case 96: return BwdConfig<96, __nv_bfloat16>::Traits::kBlockN;
-        case 128: return BwdConfig<128, __nv_bfloat16>::Traits::kBlockN;
-        default: return BwdConfig<256, __nv_bfloat16>::Traits::kBlockN;
-    }
+    return FLASH_HEADDIM_SWITCH(head_dim_rounded, kHeadDim, [&] { return BwdConfig<kHeadDim, __nv_bfloat16>::Traits::kBlockN; });
 }
 
 cudaError_t run_mha_bwd(const BwdParams& params, cudaStream_t stream) {
     if (!bwd_head_dim_supported(params.d_rounded)) return cudaErrorNotSupported;
-    return FLASH_DTYPE_SWITCH(params.is_bf16, Element, [&]() -> cudaError_t {
-        switch (params.d_rounded) {
-            case 32: return run_mha_bwd_<Element, 32>(params, stream);
-            case 64: return run_mha_bwd_<Element, 64>(params, stream);
-            case 96: return run_mha_bwd_<Element, 96>(params, stream);
-            case 128: return run_mha_bwd_<Element, 128>(params, stream);
-            default: return run_mha_bwd_<Element, 256>(params, stream);
-        }
+    return FLASH_DTYPE_SWITCH(params.is_bf16, Element, [&] {
+        return FLASH_HEADDIM_SWITCH(params.d_rounded, kHeadDim, [&] { return run_mha_bwd_<Element, kHeadDim>(params, stream); });
     });
 }
 

@@ -10,16 +10,15 @@
 //   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block) into kNStages stages
 //     each for K and V; each stage has a "full" mbarrier (its bytes landed) and an "empty" one (every consumer
 //     thread is done reading it), so no block-wide barrier couples the warpgroups.
-//   - Warp specialization (FA3 paper, section 3.1; v30): one producer warpgroup issues every load and claims the
+//   - Warp specialization (FA3 paper, section 3.1): one producer warpgroup issues every load and claims the
 //     tiles, on 24 registers (setmaxnreg), and hands the consumer warpgroups, which compute, the rest of the
-//     register file. Before v30 threads of the consumers issued the loads between their turns, so the loads'
-//     empty-stage waits and the tile claims sat on some warp's path to its softmax; the producer ran the
-//     forward 2-7% faster at hd64, 1-3% at hd128 causal up to 2k (-1% at hd128 non-causal).
+//     register file. Loads issued by consumer threads between their turns would put the loads' empty-stage waits
+//     and the tile claims on some warp's path to its softmax.
 //   - Ping-pong (FA3 paper, section 3.1): the warpgroups (two, or three at hd64) take turns in a
 //     ring to issue their matmuls (named barriers), so the tensor cores run one warpgroup's GEMMs while the
 //     others do their softmax. Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait
 //     covers both and the softmax of S_j runs while the other warpgroups' pairs are on the tensor cores.
-//   - Persistent (v16, fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
+//   - Persistent (fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
 //     the others finish this one. O is stored straight from the accumulators (sQ holds the next Q by then).
@@ -137,8 +136,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // so each wait is at most one phase ahead, and the consumers never wait for a load issued after one of these
     // waits for them. It claims the next causal tile once this one is loaded, about kNStages turns
     // before the consumers finish it: claims come in about the order the SMs free up, as the hardware would hand
-    // out whole blocks (claiming a whole tile ahead measured 4-7% slower at hd128 in v16). Its other 127 threads
-    // only hand their registers back.
+    // out whole blocks (claiming a whole tile ahead is slower at hd128). Its other 127 threads only hand their
+    // registers back.
     if (tid >= kNConsumerThreads) {
         setmaxnreg_dec<Traits::kProducerRegs>();
         if (tid != kNConsumerThreads) return;
@@ -184,8 +183,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int my_row = wg * kWarpgroupRows + ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
 
     float acc_o[kHeadDim / 2];
-    float row_max[2];
-    float row_sum[2];  // this thread's partial sums, quad-reduced at the end
+    float m_i[2];  // row max of the raw scores
+    float l_i[2];  // this thread's partial sums, quad-reduced at the end
     const float scale_log2 = params.scale_softmax_log2;
     float s[kBlockN / 2];           // S_j accumulators, then P_j = exp(S_j - m) in place
     uint32_t p[kKStepsN][4];        // P_{j-1} as the register A operand of O += P V
@@ -231,14 +230,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // r = 0: row my_row, r = 1: row my_row + 8
-            float mx = row_max[r];
+            float mx = m_i[r];
 #pragma unroll
             for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
             mx = quad_max(mx);
             const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-            const float correction = fast_exp2(row_max[r] * scale_log2 - max_scaled);
-            row_max[r] = mx;
-            row_sum[r] *= correction;
+            const float correction = fast_exp2(m_i[r] * scale_log2 - max_scaled);
+            m_i[r] = mx;
+            l_i[r] *= correction;
 #pragma unroll
             for (int i = 0; i < kNTilesD; ++i) {
                 acc_o[4 * i + 2 * r] *= correction;
@@ -251,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                     // Every kPolyExpEvery-th n8 tile off the SFU (hopper_kernel_traits.h).
                     s[4 * i + 2 * r + e] = softmax_exp2<kPolyExpEvery>(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled), i);
                 }
-                row_sum[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
+                l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }
         }
         // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
@@ -283,8 +282,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
 #pragma unroll
         for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.f;
-        row_max[0] = row_max[1] = -INFINITY;
-        row_sum[0] = row_sum[1] = 0.f;
+        m_i[0] = m_i[1] = -INFINITY;
+        l_i[0] = l_i[1] = 0.f;
 
         // Turn 0: S_0. (TMA writes and wgmma reads are both async-proxy accesses: no proxy fence.)
         mbarrier_wait(full_q, tile_iter & 1);
@@ -345,11 +344,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = my_row + 8 * r;
-            const float l = quad_sum(row_sum[r]);
+            const float l = quad_sum(l_i[r]);
             const bool empty = l == 0.f || l != l;  // no visible key: O stays 0, LSE = +inf
             const float inv_sum = empty ? 0.f : 1.f / l;
             if (row >= rows.first && row < rows.end) {
-                if (t == 0) lse[row - rows.first] = empty ? INFINITY : row_max[r] * params.scale_softmax + logf(l);
+                if (t == 0) lse[row - rows.first] = empty ? INFINITY : m_i[r] * params.scale_softmax + logf(l);
                 Element* o_row = o + (row - rows.first) * params.o_row_stride + 2 * t;
 #pragma unroll
                 for (int i = 0; i < kNTilesD; ++i) {

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
     constexpr int kMTiles = Traits::kMTilesPerWarp;
     constexpr int kWarpRows = kMTiles * kMmaM;   // query rows per warp (split-Q)
-    constexpr bool kStepped = Traits::kSteppedCopy;  // copy_tile_async_stepped (v5 variants) or copy_tile_async
+    constexpr bool kStepped = Traits::kSteppedCopy;  // copy_tile_async_stepped (FwdSteppedTraits) or copy_tile_async
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Element* sQ = reinterpret_cast<Element*>(align_smem<Tile::kAlign>(smem_raw));  // [kBlockM][kHeadDim] as Tile
@@ -92,13 +92,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // Alg. 1 line 5. Warp w owns kMTiles m16 row tiles: rows warp * kWarpRows + mt * 16 + {g, g + 8}
     // (g = lane / 4). Each K/V fragment read from shared memory feeds kMTiles MMAs.
     float acc_o[kMTiles][kNTilesD][4];
-    float row_max[kMTiles][2], row_sum[kMTiles][2];  // row_sum: this thread's partials, quad-reduced at the end
+    // m_i: the rows' max of the raw scores; l_i: this thread's partial row sums, quad-reduced at the end.
+    float m_i[kMTiles][2], l_i[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int i = 0; i < kNTilesD; ++i) acc_o[mt][i][0] = acc_o[mt][i][1] = acc_o[mt][i][2] = acc_o[mt][i][3] = 0.f;
-        row_max[mt][0] = row_max[mt][1] = -INFINITY;
-        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+        m_i[mt][0] = m_i[mt][1] = -INFINITY;
+        l_i[mt][0] = l_i[mt][1] = 0.f;
     }
 
     // Q fragments for all k16 steps, loaded once (kQInRegs). When they do not fit, the array shrinks to one
@@ -205,16 +206,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
+                float mx = m_i[mt][r];
 #pragma unroll
                 for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[mt][i][2 * r], s[mt][i][2 * r + 1]));
                 mx = quad_max(mx);
                 // A row with nothing visible yet keeps max -inf; using 0 as its offset gives exp2(-inf) = 0
                 // instead of exp2(-inf - -inf) = NaN.
                 const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-                const float correction = fast_exp2(row_max[mt][r] * scale_log2 - max_scaled);
-                row_max[mt][r] = mx;
-                row_sum[mt][r] *= correction;
+                const float correction = fast_exp2(m_i[mt][r] * scale_log2 - max_scaled);
+                m_i[mt][r] = mx;
+                l_i[mt][r] *= correction;
 #pragma unroll
                 for (int i = 0; i < kNTilesD; ++i) {
                     acc_o[mt][i][2 * r] *= correction;
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 for (int i = 0; i < kNTilesN; ++i) {
                     s[mt][i][2 * r] = fast_exp2(fmaf(s[mt][i][2 * r], scale_log2, -max_scaled));
                     s[mt][i][2 * r + 1] = fast_exp2(fmaf(s[mt][i][2 * r + 1], scale_log2, -max_scaled));
-                    row_sum[mt][r] += s[mt][i][2 * r] + s[mt][i][2 * r + 1];
+                    l_i[mt][r] += s[mt][i][2 * r] + s[mt][i][2 * r + 1];
                 }
             }
         }
@@ -267,10 +268,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const int r0 = warp * kWarpRows + mt * kMmaM + g;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float l = quad_sum(row_sum[mt][r]);
+            const float l = quad_sum(l_i[mt][r]);
             const bool empty = l == 0.f || l != l;  // no visible key: O stays 0, LSE = +inf
             inv_sum[r] = empty ? 0.f : 1.f / l;
-            const float lse_row = empty ? INFINITY : row_max[mt][r] * params.scale_softmax + logf(l);
+            const float lse_row = empty ? INFINITY : m_i[mt][r] * params.scale_softmax + logf(l);
             if (t == 0 && r0 + 8 * r < valid_rows) lse[r0 + 8 * r] = lse_row;
         }
 #pragma unroll

@@ -10,6 +10,11 @@
 
 namespace flash {
 
+// log2(e): the kernels' softmax runs on exp2, exp(x) = exp2(x * log2(e)). In double for the host, which folds it into
+// scale_softmax_log2 (flash_api.cpp); kLog2e, its float, for the kernels.
+constexpr double kLog2eDouble = 1.4426950408889634;
+constexpr float kLog2e = static_cast<float>(kLog2eDouble);
+
 struct FwdParams {
     // Layout of every tensor: (B, T, H, D) with stride(D) == 1; batch/row/head strides arbitrary.
     const void* q_ptr;
@@ -33,7 +38,7 @@ struct FwdParams {
     int d_rounded;       // the instantiated kHeadDim that runs it
 
     float scale_softmax;       // usually 1/sqrt(d)
-    float scale_softmax_log2;  // scale_softmax * log2(e): softmax runs on exp2
+    float scale_softmax_log2;  // scale_softmax * kLog2eDouble: softmax runs on exp2
 
     bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
     int causal_group_heads;  // causal forward only: (batch, head) pairs per group of its block order (causal_order.h)
@@ -44,9 +49,9 @@ struct FwdParams {
     int smem_per_block_optin;  // dynamic shared memory a block may opt in to, bytes (flash_api.cpp, set_smem_limits)
     int* tile_counter;  // Hopper causal forward: a zeroed int its blocks take their next tile from; else unused
     bool is_bf16;    // else fp16
-    bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp:
-                     // FLASH_KERNEL_FWD / FLASH_KERNEL_BWD); head dims without one (hopper_kernel_traits.h,
-                     // hopper_bwd_traits.h) and the deterministic backward run the sm80 kernel regardless
+    bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp,
+                     // Overrides); head dims without one (hopper_kernel_traits.h, hopper_bwd_traits.h) and the
+                     // deterministic backward run the sm80 kernel regardless
 };
 
 struct BwdParams : public FwdParams {
@@ -78,7 +83,7 @@ struct BwdParams : public FwdParams {
 #ifdef __CUDACC__
 // Where a forward tile writes: O from row row0 of (batch, head), and those rows' LSE ((B, Hq, Tq), fp32). The
 // Hopper forward's tiles and empty tiles use it; the sm80 forward keeps its own lines, since with this helper its
-// hd64 kernel re-read seqlen_q from the params (another register at 255) and ran 1-2.5% slower on the H100.
+// hd64 kernel re-reads seqlen_q from the params (another register at 255) and is slower.
 template <typename Element>
 struct FwdOutRows {
     Element* o;

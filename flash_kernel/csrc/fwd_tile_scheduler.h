@@ -1,11 +1,10 @@
-// The Hopper forward's persistent schedule (v16): one thread block per SM, each looping over query-block tiles.
+// The Hopper forward's persistent schedule: one thread block per SM, each looping over query-block tiles.
 //
 // Why: a Hopper forward block holds nearly all of an SM's shared memory, so the hardware starts the SM's next
 // block only once the last one has exited, and the tail of one tile (its last P V, O's stores) and the head of
 // the next (barrier set-up, Q and the first K landing, the first S) run back to back. A persistent block loads its
 // next tile's Q and first K/V while it finishes the current one, and one warpgroup starts the next tile while the
-// other finishes. Measured against the grid of one block per tile: hd64 forward +1 to +9%, hd128 unchanged, whose
-// fixed time per tile turned out to lie elsewhere (docs/kernel_notes.md, "v16").
+// other finishes. Against a grid of one block per tile this speeds up the hd64 forward and leaves hd128's as it is.
 //
 // Which tile next:
 //   - non-causal: every tile visits the same key blocks, so block b takes tiles b, b + grid, b + 2 grid, ...
@@ -14,10 +13,10 @@
 //     order comes close to the hardware's greedy one (a greedy-schedule model of 132 SMs: a round robin leaves
 //     the longest block 27-30% above the mean at hd128, 3% at hd64); so a causal block takes its next tile from
 //     a zeroed counter in global memory (atomicAdd), greedily, in that same order.
-// Causal query blocks end at the last query row (v29): where kBlockM does not divide Tq, the block short of kBlockM
+// Causal query blocks end at the last query row: where kBlockM does not divide Tq, the block short of kBlockM
 // rows is block 0, the one with the fewest keys, instead of the last one, which has the most. (With 192-row tiles
-// at T = 2k that is 96 key blocks of work per head instead of 101: the last block's idle warpgroup no longer
-// computes its 16 key blocks.) Block 0 then starts at a negative row. Its rows before 0 are outside the tensor, so TMA
+// at T = 2k that is 96 key blocks of work per head instead of 101, where the last block's idle warpgroup would
+// compute its 16 key blocks.) Block 0 then starts at a negative row. Its rows before 0 are outside the tensor, so TMA
 // fills them with zeros as it does rows past Tq, and they are never stored.
 // Tiles are numbered over the query blocks that see a key. In a causal grid with Tq > Tk the first m_first blocks
 // of every head see none (O = 0, LSE = +inf); the blocks write those after their main tiles.

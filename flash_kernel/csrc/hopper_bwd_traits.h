@@ -1,5 +1,4 @@
-// Tile shapes of the Hopper (sm_90a, wgmma) backward, per head dim (issue 5, stage 2; the kernel is
-// flash_bwd_hopper_kernel.cuh).
+// Tile shapes of the Hopper (sm_90a, wgmma) backward, per head dim (the kernel is flash_bwd_hopper_kernel.cuh).
 //
 // A thread block owns kBlockN = 128 keys (K_j, V_j, dK_j, dV_j) and walks the query blocks of kBlockM rows
 // (64 at hd128, 128 at hd64). Two warpgroups each own 64 of the keys: their S^T, dP^T (64 keys x kBlockM
@@ -58,8 +57,8 @@ template <int kHeadDim, typename Element> struct HopperBwdConfig { static conste
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperBwdConfig<64, E> {
     static constexpr bool kAvailable = true;
-    // 128 queries per iteration: S^T and dP^T as n128 wgmmas, dQ split by queries (v12: backward +9-19% over
-    // 64 queries, whose dQ had to be split by keys into two partial tiles); 167 KB of shared memory.
+    // 128 queries per iteration: S^T and dP^T as n128 wgmmas, dQ split by queries (faster than 64 queries, whose dQ
+    // would be split by keys into two partial tiles); 167 KB of shared memory.
     using Traits = HopperBwdTraits<64, E, 64, 128>;
 };
 template <typename E> struct HopperBwdConfig<96, E> {

@@ -1,4 +1,4 @@
-// Tile shapes of the Hopper (sm_90a, wgmma) forward, per head dim (issue 5, stage 2).
+// Tile shapes of the Hopper (sm_90a, wgmma) forward, per head dim.
 //
 // A thread block is two or three consumer warpgroups of 64 query rows each (kBlockM = 128 or 192) and one producer
 // warpgroup. Each consumer computes its S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in
@@ -38,10 +38,10 @@ struct HopperFwdTraits {
     static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
     static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
-    // setmaxnreg moves registers within the block's own allocation, the launch bound's even split (kEntryRegs per
+    // setmaxnreg moves registers between the block's warpgroups, from the launch bound's even split (kEntryRegs per
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
-    // share the rest, 240 each for two (hd128's kernels used 234 before v30) and 160 for three (hd64: 154). More
-    // for the producer would leave the consumers' inc waiting for registers that never come free.
+    // share the rest, 240 each for two (hd128's consumers need about 234) and 160 for three (hd64: 154). More for the
+    // producer would leave the consumers' inc waiting for registers that never come free.
     static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = (kEntryRegs * (kNWarpgroups + 1) - kProducerRegs) / kNWarpgroups / 8 * 8;
@@ -69,10 +69,10 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below (v17). Wider key blocks (192 at hd128) cut the
-// turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale):
-// 3-12% faster from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
-// them, and they ran 2-12% slower (docs/kernel_notes.md, "v17").
+// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd128) cut the
+// turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
+// which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
+// them, and they are slower.
 // HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups>:
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
@@ -80,11 +80,10 @@ template <typename E> struct HopperFwdConfig<64, E> {
     static constexpr bool kAvailable = true;
     // Three warpgroups (192 query rows) on 128-key blocks, causal or not: at hd64 a warpgroup's softmax takes about
     // as long as its turn on the tensor cores (64 exponentials per thread against two 64x128x64 matmuls), and in a
-    // ring of three it hides behind two other warpgroups' turns instead of one. Non-causal since v23 (+1 to +10% over
-    // two warpgroups on 256-key blocks); causal since v29, once causal blocks end at Tq (fwd_tile_scheduler.h), so
-    // that the short block is the one with the fewest keys: with v29's loader and mask, +4 to +8% over two
-    // warpgroups on 256-key blocks (128 below 2048 keys).
-    // 1 exponential in 8 by polynomial balances the SFU against the issue slots the polynomial costs (v13).
+    // ring of three it hides behind two other warpgroups' turns instead of one: faster than two warpgroups on
+    // 256-key blocks, causal too, since causal blocks end at Tq (fwd_tile_scheduler.h) and the short block is the
+    // one with the fewest keys.
+    // 1 exponential in 8 by polynomial balances the SFU against the issue slots the polynomial costs.
     // 121 KB; 154 of the consumers' 160 registers (S of 256 keys would not fit).
     using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3>;
     using ShortTraits = Traits;
@@ -92,7 +91,7 @@ template <typename E> struct HopperFwdConfig<64, E> {
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
-    // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks ran hd80 causal 3-4% slower at 4k-8k (v17).
+    // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
     using Traits = HopperFwdTraits<128, 128, 3, E, 96>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;

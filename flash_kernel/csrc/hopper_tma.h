@@ -1,7 +1,7 @@
 // TMA (the Tensor Memory Accelerator, sm_90): a whole tile of Q, K, V or dO copied global -> shared memory by
 // one instruction of one thread, straight into the 128B-swizzled layout of hopper_utils.cuh, completing on an
-// mbarrier by byte count. It takes the cp.async address arithmetic (~190 instructions per warp per K/V turn
-// of the v6 forward, ncu) off the warps that run the softmax.
+// mbarrier by byte count. It takes the cp.async address arithmetic (about 190 instructions per warp per K/V turn)
+// off the warps that run the softmax.
 //
 // Host: a tensor map (CUtensorMap, 128 bytes) per operand describes the (B, T, H, D) tensor as 4 dims,
 // innermost first: (d, seqlen, heads, batch), strides in bytes; its box is one 64-column block of kRows rows

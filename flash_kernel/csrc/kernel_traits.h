@@ -21,9 +21,21 @@ constexpr int kMmaK = 16;
 constexpr int kCopyElems = 8;    // one 16-byte cp.async moves 8 bf16/fp16
 constexpr int kMaxSmemBytesSm80 = 163 * 1024;  // opt-in dynamic shared memory per block on A100
 constexpr int kMaxSmemBytesSm90 = 227 * 1024;  // opt-in dynamic shared memory per block on H100/H200
-constexpr int kMaxHeadDim = 256;
 
-constexpr int round_head_dim(int d) { return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : 256; }
+// The instantiated head dims, in increasing order: one flash_{fwd,bwd}_hdim<D>_{bf16,fp16}.cu each. Any other
+// multiple of 8 up to kMaxHeadDim runs the next larger one, its extra columns zero-filled on load and skipped on
+// store: round_head_dim gives the choice, FLASH_HEADDIM_SWITCH (static_switch.h) dispatches on it.
+// flash_kernel/interface.py's MAX_HEAD_DIM is kMaxHeadDim (tests/test_head_dims.py checks both).
+constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
+constexpr int kNumHeadDims = static_cast<int>(sizeof(kHeadDims) / sizeof(kHeadDims[0]));
+constexpr int kMaxHeadDim = kHeadDims[kNumHeadDims - 1];
+
+constexpr int round_head_dim(int d) {
+    for (const int head_dim : kHeadDims) {
+        if (d <= head_dim) return head_dim;
+    }
+    return kMaxHeadDim;
+}
 
 // Forward (Alg. 1): kBlockM query rows per thread block, kMTilesPerWarp m16 row tiles per warp (split-Q:
 // warps never exchange data; two tiles per warp halve the shared-memory reads of K and V per MMA);
@@ -60,7 +72,7 @@ struct FwdKernelTraits {
 };
 
 // Backward (Alg. 2): a thread block owns kBlockN = 16 kNWarps keys and walks the query blocks of kBlockM
-// rows. This is the block shape; BwdVariantTraits below sets how flash_bwd_tiled_kernel tiles its matmul
+// rows. This is the block shape; BwdTiledTraits below sets how flash_bwd_tiled_kernel tiles its matmul
 // phases over the warps. S^T = K Q^T is computed key-major so that P^T and dS^T are already in the
 // A-operand layout of dV += P^T dO and dK += dS^T Q.
 // kColSplits > 1 (head dim 256): dK/dV/dQ columns are split over kColSplits thread blocks per K/V
@@ -91,30 +103,7 @@ struct BwdKernelTraits {
     static_assert(kBlockM <= kNThreads, "one thread per query row loads LSE and delta");
 };
 
-// Head dim 128 configurations (issue 5), chosen at compile time; the defaults are v5, the sweep's winner
-// (docs/kernel_notes.md, "v5"): forward 1 + backward 3. bench/kernel_sweep.sh builds the others with
-// FLASH_KERNEL_NVCC_EXTRA="-DFLASH_FWD_HD128_VARIANT=N -DFLASH_BWD_HD128_VARIANT=M".
-//   FLASH_FWD_HD128_VARIANT 0: v4, 8 warps x 1 m16 tile, Bc 64, 3 K/V stages (139 KB: 1 CTA per SM)
-//                           1: 4 warps x 2 m16 tiles, Bc 64, 2 K/V stages (102 KB: 2 CTAs per H100 SM;
-//                              where 2 do not fit, e.g. A100's 164 KB, the launch falls back to 0)
-//                           2: 8 warps x 2 m16 tiles (Br 256), Bc 64, 2 K/V stages (136 KB: 1 CTA per SM)
-//   FLASH_BWD_HD128_VARIANT 1: v4's tiling (16 keys per warp, dK/dV in registers, dQ warps 4 x 2) on
-//                              flash_bwd_tiled_kernel, whose stepped tile copies spill fewer address registers
-//                           2: + dQ warps 2 x 4 (32 queries x 32 cols) and dK += dS^T Q after the barrier,
-//                              dS^T from shared memory, warps 4 x 2 (32 keys x 64 cols)
-//                           3: FA2's sm80 tiling: S^T/dP^T warps 4 x 2 (32 keys x 32 queries), P^T and dS^T
-//                              through shared memory, dV and dK warps 4 x 2, dQ warps 2 x 4, one dO stage
-//                           4: 1 + dQ warps 2 x 4 only (attributes 2's gain between its two changes)
-// docs/kernel_notes.md ("v5 candidates", "v5") has the reasoning, ptxas numbers and timings of each; v4's own
-// kernel (backward variant 0) was deleted after the v6 sweep.
-#ifndef FLASH_FWD_HD128_VARIANT
-#define FLASH_FWD_HD128_VARIANT 1
-#endif
-#ifndef FLASH_BWD_HD128_VARIANT
-#define FLASH_BWD_HD128_VARIANT 3
-#endif
-
-// Forward variant: the same tiles with copy_tile_async_stepped.
+// A forward config whose tile copies are copy_tile_async_stepped (utils.cuh), which keeps fewer address registers live.
 template <typename Base>
 struct FwdSteppedTraits : Base {
     static constexpr bool kSteppedCopy = true;
@@ -122,11 +111,12 @@ struct FwdSteppedTraits : Base {
 
 // Backward: Base's block shape run by flash_bwd_tiled_kernel (flash_bwd_tiled_kernel.cuh), whose warp tiling
 // of the matmul phases is set here, with the dQ tiling and the shared-memory size that follow from it.
-template <typename Base, int kSdpWarpsQ_, int kDqWarpsM_, bool kDkFromSmem_, int kDkvWarpsD_, int kDoStages_>
-struct BwdVariantTraits : Base {
+// dS^T always goes through shared memory: dK_j += dS^T Q_i runs after the barrier that completes it, on its own
+// (keys x columns) warp tile.
+template <typename Base, int kSdpWarpsQ_, int kDqWarpsM_, int kDkvWarpsD_, int kDoStages_>
+struct BwdTiledTraits : Base {
     using Element = typename Base::Element;
     static constexpr int kSdpWarpsQ = kSdpWarpsQ_;    // S^T, dP^T: warps along queries (1: a warp owns all queries)
-    static constexpr bool kDkFromSmem = kDkFromSmem_;  // dK += dS^T Q after the barrier, dS^T from shared memory
     static constexpr int kDkvWarpsD = kDkvWarpsD_;    // dK/dV from shared memory: warps along head-dim columns
     static constexpr int kDoStages = kDoStages_;      // dO tiles in shared memory
     static constexpr int kDqWarpsM = kDqWarpsM_;
@@ -147,7 +137,6 @@ struct BwdVariantTraits : Base {
     static_assert(Base::kNWarps % kSdpWarpsQ == 0 && Base::kBlockN % (kMmaM * kSdpWarpsK) == 0 &&
                       Base::kBlockM % (2 * kMmaN * kSdpWarpsQ) == 0,
                   "S^T/dP^T: warps must tile keys in m16 tiles and queries in pairs of n8 tiles");
-    static_assert(kSdpWarpsQ == 1 || kDkFromSmem, "with queries split over warps, dK needs dS^T from shared memory");
     static_assert(Base::kNWarps % kDkvWarpsD == 0 && Base::kBlockN % (kMmaM * kDkvWarpsK) == 0 &&
                       Base::kOutCols % (2 * kMmaN * kDkvWarpsD) == 0,
                   "dK/dV from shared memory: warps must tile keys in m16 tiles and columns in pairs of n8 tiles");
@@ -161,12 +150,10 @@ struct BwdVariantTraits : Base {
 
 // The same backward with FA2's order at the end of a query block: dQ_i = dS K_j and its adds into dq_accum, then
 // dK_j += dS^T Q_i, so the adds leave while dK's matmuls run; and the swizzled tiles' ldmatrix addresses as plain code
-// (ldmatrix_tile), one XOR per k-step instead of two instructions per load. Measured as one change (H100, sm80
-// backward; docs/kernel_notes.md, "v27"): hd64 +1% non-causal and +2-3% causal, hd128 -3% non-causal. Either half
-// alone lost at hd64 non-causal (dQ first -2%, plain addresses -1%).
+// (ldmatrix_tile), one XOR per k-step instead of two instructions per load. The two pay off together at hd64 (causal
+// most); either alone, or both at hd128, is slower.
 template <typename Base>
 struct BwdDqFirstTraits : Base {
-    static_assert(Base::kDkFromSmem, "dK must come from dS^T in shared memory to move after dQ");
     static constexpr bool kDqFirst = true;
     static constexpr bool kLdsmAddrInAsm = false;
 };
@@ -174,10 +161,10 @@ struct BwdDqFirstTraits : Base {
 // The same backward adding dQ_i into dq_accum through shared memory: each warp writes its dQ_i tile's fp32 C
 // fragments, one m16 tile at a time, into a swizzled staging tile of its own, then reads back whole 16-byte row chunks
 // for 16-byte adds (red.global.add.v4.f32). From the C fragments, each add instruction touches 8 rows of 32 bytes, one
-// L2 request per row: 4 x FA2's requests for the same bytes, and the adds waited on the SM's global-memory queue (ncu
-// "lg throttle", docs/kernel_notes.md "v28"). From rows, an instruction covers 4 rows of whole 128-byte lines. The
-// staging tiles (16 x 32 floats per warp) take the P^T buffer where it is free, which it is only behind the barrier
-// after dV_j += P^T dO_i that one dO stage has; else shared memory of their own.
+// L2 request per row: 4 x FA2's requests for the same bytes, and the adds wait on the SM's global-memory queue (ncu's
+// "lg throttle" stall). From rows, an instruction covers 4 rows of whole 128-byte lines. The staging tiles (16 x 32
+// floats per warp) take the P^T buffer where it is free, which it is only behind the barrier after dV_j += P^T dO_i
+// that one dO stage has; else shared memory of their own.
 template <typename Base>
 struct BwdDqStagedTraits : Base {
     static_assert(Base::kDqCols == 32, "a warp's staged dQ rows are one 128-byte line: 8 lanes per row, 4 rows per read");
@@ -190,14 +177,14 @@ struct BwdDqStagedTraits : Base {
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
 };
 
-// Per-head-dim choices, measured on an H200 (bf16, causal, B*T = 16k; docs/kernel_notes.md has the
-// sweep). Forward: 128 query rows per block either as 4 warps x 2 m16 tiles (small head dims: each K/V
-// fragment feeds two MMAs) or 8 warps x 1 tile (head dim >= 96, where two tiles' accumulators would
-// spill); Q fragments stay in registers at 32 and 96. At 64 they made the kernel spill 68 B (sm_80, 255
-// registers; 36 B non-causal and none causal without them): re-read from shared memory instead, the forward ran
-// 1.07-1.09 x faster non-causal and 1.04-1.08 x causal on the H100 (docs/kernel_notes.md, "v19"). Head dim 96
-// names Smem99KiBTraits, what GPUs that give a thread block 99 KiB (sm_86, sm_89) run: two K/V stages instead of
-// three (fwd_variant). Backward: see BwdConfig below.
+// Per-head-dim choices (bf16, B*T = 16k; docs/kernel_design.md has the table with shared memory and registers).
+// Forward: 128 query rows per block either as 4 warps x 2 m16 tiles (small head dims: each K/V fragment feeds two
+// MMAs) or 8 warps x 1 tile (head dim 96, where two tiles' accumulators would spill); Q fragments stay in registers
+// at 32 and 96. At 64 they would make the kernel spill at 255 registers, so Q is re-read from shared memory, which
+// runs faster. Head dim 128 runs 4 warps x 2 tiles on two K/V stages (96 KiB, so that two blocks share an H100 SM)
+// with stepped tile copies; where two blocks do not fit an SM (A100), OneBlockTraits: 8 warps x 1 tile on three
+// stages (128 KiB). Head dim 96 names Smem99KiBTraits, what GPUs that give a thread block 99 KiB (sm_86, sm_89) run:
+// two K/V stages instead of three (fwd_variant). Backward: see BwdConfig below.
 //                                                                       hd   Br   Bc warps Q-regs minBlk stages
 template <int kHeadDim, typename Element> struct FwdConfig;
 template <typename E> struct FwdConfig<32, E>  { using Traits = FwdKernelTraits<32, 128, 64, 4, true, 2, 3, E>; };
@@ -206,76 +193,56 @@ template <typename E> struct FwdConfig<96, E>  {
     using Traits = FwdKernelTraits<96, 128, 64, 8, true, 1, 3, E>;          // 104 KB
     using Smem99KiBTraits = FwdKernelTraits<96, 128, 64, 8, true, 1, 2, E>;  // 78 KB: two K/V stages
 };
-#if FLASH_FWD_HD128_VARIANT == 0
-template <typename E> struct FwdConfig<128, E> { using Traits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>; };
-#elif FLASH_FWD_HD128_VARIANT == 1
 template <typename E> struct FwdConfig<128, E> {
-    using Traits = FwdSteppedTraits<FwdKernelTraits<128, 128, 64, 4, false, 2, 2, E>>;
-    using OneBlockTraits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>;  // variant 0, for 1 CTA per SM
+    using Traits = FwdSteppedTraits<FwdKernelTraits<128, 128, 64, 4, false, 2, 2, E>>;  // 96 KiB: 2 blocks per SM
+    using OneBlockTraits = FwdKernelTraits<128, 128, 64, 8, false, 1, 3, E>;             // 128 KiB: 1 block per SM
 };
-#elif FLASH_FWD_HD128_VARIANT == 2
-template <typename E> struct FwdConfig<128, E> { using Traits = FwdSteppedTraits<FwdKernelTraits<128, 256, 64, 8, false, 1, 2, E>>; };
-#else
-#error "FLASH_FWD_HD128_VARIANT must be 0, 1 or 2"
-#endif
 template <typename E> struct FwdConfig<256, E> { using Traits = FwdKernelTraits<256, 64, 16, 4, false, 2, 2, E>; };
 
-// Backward: BwdVariantTraits<BwdKernelTraits<hd, Br, warps, colSplits>, kSdpWarpsQ, kDqWarpsM, kDkFromSmem,
-// kDkvWarpsD, kDoStages>; Bc = 16 x warps keys. Warp tiles: FA2's sm80 choice per head dim (the atom
-// layouts of its Flash_bwd_kernel_traits for S/dP, dK/dV and dQ; one exception at 64); dO double-buffered
-// where that fits A100's 163 KB (not at 64 and 128). docs/kernel_notes.md ("v6 backward") has the ptxas
-// numbers and the reasoning. A config may name SmallSmemTraits: what GPUs whose thread blocks get less shared
-// memory than its Traits need run instead (the launch compares the device's opt-in limit, in the params; they
-// must fit A100's 163 KB). Each names Smem99KiBTraits, for GPUs that give a block 99 KiB (sm_86, sm_89): smaller
-// query blocks (Br 64 at head dims 32 and 64, 32 at 128, 16 at 256), 4 warps (Bc 64) at 96 and 128, and one dO
-// stage, with FA2's warp tiles where they divide. They are not tuned: no such GPU has been lent, and the H100 runs
-// them only for the tests (FLASH_KERNEL_MAX_SMEM_PER_BLOCK).
-// hd128 double-buffers dO and stages dQ's adds in 16 KB of their own where the GPU allows 181 KB (H100: +3-5% for
-// the second dO stage, docs/kernel_notes.md "v21"; +2-6% for the staging, "v28"); A100s run SmallSmemTraits, with
-// neither. At hd64 a second dO stage measured within 1% either way.
-// Head dim 256 keeps v4's 2 column splits: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V alone
-// 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
+// Backward: BwdTiledTraits<BwdKernelTraits<hd, Br, warps, colSplits>, kSdpWarpsQ, kDqWarpsM, kDkvWarpsD, kDoStages>;
+// Bc = 16 x warps keys. Warp tiles: FA2's sm80 choice per head dim (the atom layouts of its Flash_bwd_kernel_traits
+// for S/dP, dK/dV and dQ; one exception at 64); dO double-buffered where that fits A100's 163 KB (not at 64 and
+// 128). A config may name SmallSmemTraits: what GPUs whose thread blocks get less shared memory than its Traits need
+// run instead (the launch compares the device's opt-in limit, in the params; they must fit A100's 163 KB). Each
+// names Smem99KiBTraits, for GPUs that give a block 99 KiB (sm_86, sm_89): smaller query blocks (Br 64 at head dims
+// 32 and 64, 32 at 128, 16 at 256), 4 warps (Bc 64) at 96 and 128, and one dO stage, with FA2's warp tiles where
+// they divide. They are not tuned: no such GPU has measured them, and the H100 runs them only for the tests
+// (flash_kernel.interface.set_kernel_overrides, max_smem_per_block).
+// hd128 double-buffers dO and stages dQ's adds in 16 KB of their own where the GPU allows 181 KB (the H100); A100s
+// run SmallSmemTraits, with neither. At hd64 a second dO stage gains nothing.
+// Head dim 256 splits the columns over 2 thread blocks: FA2's 8 warps x Bc 64 would need Bc = 128 here (K and V
+// alone 132 KB), and without splits dK/dV would need 256 accumulator floats per thread.
 template <int kHeadDim, typename Element> struct BwdConfig;
 //   hd 32: Br 128; S^T/dP^T warp 64 keys x 32 queries, dK/dV 32 keys x 16 cols, dQ 32 queries x 16 cols.
 template <typename E> struct BwdConfig<32, E>  {
-    using Traits = BwdVariantTraits<BwdKernelTraits<32, 128, 8, 1, E>, 4, 4, true, 2, 2>;
-    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<32, 64, 8, 1, E>, 2, 4, true, 2, 2>;  // Br 64
+    using Traits = BwdTiledTraits<BwdKernelTraits<32, 128, 8, 1, E>, 4, 4, 2, 2>;
+    using Smem99KiBTraits = BwdTiledTraits<BwdKernelTraits<32, 64, 8, 1, E>, 2, 4, 2, 2>;  // Br 64
 };
 //   hd 64: Br 128; S^T/dP^T 32 keys x 64 queries, dK/dV 32 keys x 32 cols, dQ 32 queries x 32 cols. FA2
 //   splits S^T 2 x 4 (64 keys x 32 queries): the same ldmatrix count, but 20-36 B of spill on both archs
 //   here, against 16-28 B on sm_90 only for 4 x 2. dQ before dK (BwdDqFirstTraits); dQ's adds staged in the P^T
-//   buffer (BwdDqStagedTraits: +4-6% on the H100).
+//   buffer (BwdDqStagedTraits).
 template <typename E> struct BwdConfig<64, E>  {
-    using Traits = BwdDqStagedTraits<BwdDqFirstTraits<BwdVariantTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, true, 2, 1>>>;
-    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<64, 64, 8, 1, E>, 2, 4, true, 2, 1>;  // Br 64
+    using Traits = BwdDqStagedTraits<BwdDqFirstTraits<BwdTiledTraits<BwdKernelTraits<64, 128, 8, 1, E>, 2, 4, 2, 1>>>;
+    using Smem99KiBTraits = BwdTiledTraits<BwdKernelTraits<64, 64, 8, 1, E>, 2, 4, 2, 1>;  // Br 64
 };
 //   hd 96: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 48 cols, dQ 16 queries x 48 cols.
 template <typename E> struct BwdConfig<96, E>  {
-    using Traits = BwdVariantTraits<BwdKernelTraits<96, 64, 8, 1, E>, 2, 4, true, 2, 2>;
-    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<96, 64, 4, 1, E>, 2, 2, true, 2, 1>;  // Bc 64, 1 dO stage
+    using Traits = BwdTiledTraits<BwdKernelTraits<96, 64, 8, 1, E>, 2, 4, 2, 2>;
+    using Smem99KiBTraits = BwdTiledTraits<BwdKernelTraits<96, 64, 4, 1, E>, 2, 2, 2, 1>;  // Bc 64, 1 dO stage
 };
-//   hd 128 (FLASH_BWD_HD128_VARIANT; 3 = v5): Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 x 64, dQ 32 x 32.
-#if FLASH_BWD_HD128_VARIANT == 1
-template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 4, false, 1, 2>; };
-#elif FLASH_BWD_HD128_VARIANT == 2
-template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, true, 2, 2>; };
-#elif FLASH_BWD_HD128_VARIANT == 3
+//   hd 128: Br 64; S^T/dP^T 32 keys x 32 queries, dK/dV 32 keys x 64 cols, dQ 32 queries x 32 cols.
 template <typename E> struct BwdConfig<128, E> {
-    using Traits = BwdDqStagedTraits<BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 2>>;  // 181 KB
-    using SmallSmemTraits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, true, 2, 1>;  // 149 KB
+    using Traits = BwdDqStagedTraits<BwdTiledTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, 2, 2>>;  // 181 KB
+    using SmallSmemTraits = BwdTiledTraits<BwdKernelTraits<128, 64, 8, 1, E>, 2, 2, 2, 1>;  // 149 KB
     // Br 32, Bc 64, one dO stage: Br 64 would need 99 KiB and the tiles' alignment slack on top.
-    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<128, 32, 4, 1, E>, 2, 2, true, 2, 1>;
+    using Smem99KiBTraits = BwdTiledTraits<BwdKernelTraits<128, 32, 4, 1, E>, 2, 2, 2, 1>;
 };
-#elif FLASH_BWD_HD128_VARIANT == 4
-template <typename E> struct BwdConfig<128, E> { using Traits = BwdVariantTraits<BwdKernelTraits<128, 64, 8, 1, E>, 1, 2, false, 1, 2>; };
-#else
-#error "FLASH_BWD_HD128_VARIANT must be 1 to 4"
-#endif
 //   hd 256: Br 32, Bc 64 (4 warps), 2 column splits of 128; S^T/dP^T 32 keys x 16 queries, dK/dV 32 keys x
 //   64 cols (FA2's warp tiles), dQ 16 queries x 64 cols.
 template <typename E> struct BwdConfig<256, E> {
-    using Traits = BwdVariantTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, true, 2, 2>;
-    using Smem99KiBTraits = BwdVariantTraits<BwdKernelTraits<256, 16, 4, 2, E>, 1, 1, true, 2, 1>;  // Br 16, 1 dO stage
+    using Traits = BwdTiledTraits<BwdKernelTraits<256, 32, 4, 2, E>, 2, 2, 2, 2>;
+    using Smem99KiBTraits = BwdTiledTraits<BwdKernelTraits<256, 16, 4, 2, E>, 1, 1, 2, 1>;  // Br 16, 1 dO stage
 };
 
 // A forward config's OneBlockTraits (what runs where the SM's shared memory cannot hold the kMinBlocksPerSm thread

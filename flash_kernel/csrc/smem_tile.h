@@ -6,9 +6,8 @@
 // whose warp writes 512 bytes of whole rows, cost the fewest shared-memory wavefronts and L2 sectors when the
 // request fills whole 128-byte lines. Two layouts:
 //   swizzled (kCols = 64, 128, 256: rows of 128, 256, 512 bytes): rows unpadded, the 16-byte chunk c of row r
-//     stored at chunk c ^ (r % 8). Both accesses are ideal. Until v19 these head dims used the padded layout:
-//     Nsight Compute counted 1.5 x the ideal L2 sectors and 2.6 x the ideal shared-memory wavefronts on the
-//     backward's copies, and exactly the ideal with this one (docs/kernel_notes.md, "v20").
+//     stored at chunk c ^ (r % 8). Both accesses are ideal (Nsight Compute counts exactly the ideal L2 sectors and
+//     shared-memory wavefronts on the backward's copies; the padded layout would cost 1.5 x and 2.6 x).
 //   padded (kCols = 32, 96): rows padded by 16 bytes, a pitch of 80 or 208 bytes (an odd multiple of 16 mod 128,
 //     so ldmatrix is conflict free); the copies' rows straddle 128-byte lines.
 // tests/test_smem_tile.py checks these properties, and step() below, on the host.

@@ -6,6 +6,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+#include <utility>
+
+#include "kernel_traits.h"  // kHeadDims
+
 #define FLASH_BOOL_SWITCH(COND, CONST_NAME, ...) \
     [&] {                                        \
         if (COND) {                              \
@@ -28,24 +33,26 @@
         }                                        \
     }()
 
-// The instantiated head dims; any other multiple of 8 runs the next larger one with the extra
-// columns zero-filled on load and skipped on store (flash::round_head_dim gives the choice).
-#define FLASH_HEADDIM_SWITCH(HEADDIM, CONST_NAME, ...) \
-    [&] {                                             \
-        if (HEADDIM <= 32) {                          \
-            constexpr static int CONST_NAME = 32;     \
-            return __VA_ARGS__();                     \
-        } else if (HEADDIM <= 64) {                   \
-            constexpr static int CONST_NAME = 64;     \
-            return __VA_ARGS__();                     \
-        } else if (HEADDIM <= 96) {                   \
-            constexpr static int CONST_NAME = 96;     \
-            return __VA_ARGS__();                     \
-        } else if (HEADDIM <= 128) {                  \
-            constexpr static int CONST_NAME = 128;    \
-            return __VA_ARGS__();                     \
-        } else {                                      \
-            constexpr static int CONST_NAME = 256;    \
-            return __VA_ARGS__();                     \
-        }                                             \
-    }()
+namespace flash {
+
+// f(std::integral_constant<int, D>{}) for D = round_head_dim(d), the first of kHeadDims from index I on that is
+// >= d (the last one for any larger d).
+template <int I = 0, typename F>
+decltype(auto) head_dim_switch(int d, F&& f) {
+    constexpr int kHeadDim = kHeadDims[I];
+    if constexpr (I + 1 == kNumHeadDims) {
+        return f(std::integral_constant<int, kHeadDim>{});
+    } else {
+        if (d <= kHeadDim) return f(std::integral_constant<int, kHeadDim>{});
+        return head_dim_switch<I + 1>(d, std::forward<F>(f));
+    }
+}
+
+}  // namespace flash
+
+// The instantiated head dims (kHeadDims, kernel_traits.h): HEADDIM runs round_head_dim(HEADDIM).
+#define FLASH_HEADDIM_SWITCH(HEADDIM, CONST_NAME, ...)                        \
+    flash::head_dim_switch(HEADDIM, [&](auto flash_head_dim_) {               \
+        constexpr static int CONST_NAME = decltype(flash_head_dim_)::value;   \
+        return __VA_ARGS__();                                                 \
+    })

@@ -48,7 +48,7 @@ __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem_raw) {
 // 16-byte async copy; when pred is false nothing is read and the 16 destination bytes are zeroed
 // (src-size 0), which is how rows past the sequence end and head-dim columns past d become zeros. gmem_src is
 // then never dereferenced, so callers pass the out-of-range address as it is (as CUTLASS's zero-fill copy does)
-// instead of selecting a valid one: until v27 the tile copies spent a SEL per chunk on that. cp_async_4 likewise.
+// instead of spending a SEL per chunk on selecting a valid one. cp_async_4 likewise.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool pred) {
     const int src_bytes = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
@@ -59,8 +59,8 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
 }
 // dst[0..1] += v in global memory, no result wanted: one 8-byte red.global.add.v2.f32 on sm_90 (CUDA's
-// atomicAdd(float2*) returns a value, and behind a laundered address the compiler kept it an ATOM, which ran
-// the sm80 backward 0.8-4.3% slower in v26's A/B), two 4-byte adds before sm_90.
+// atomicAdd(float2*) returns a value, and behind a laundered address the compiler keeps it an ATOM, which is
+// slower), two 4-byte adds before sm_90.
 __device__ __forceinline__ void red_add_f32x2(float* dst, float2 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(v.x), "f"(v.y) : "memory");
@@ -118,8 +118,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 
 // ldmatrix.x4 (kTrans: .trans) at (addr + add) ^ x, the add and the XOR inside the asm statement, so that the
 // compiler can neither hoist nor share the XORed addresses of a loop's ldmatrix walk: it recomputes them for every
-// load (two instructions each), but keeps none of them live (sm_90a, hd128 backward: as plain code, 20 B of spill
-// when this was written in v20).
+// load (two instructions each), but keeps none of them live (sm_90a, hd128 backward: as plain code, it spills).
 template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4_xor(uint32_t (&r)[4], uint32_t addr, uint32_t add, uint32_t x) {
     if constexpr (kTrans) {
@@ -136,11 +135,10 @@ __device__ __forceinline__ void ldmatrix_x4_xor(uint32_t (&r)[4], uint32_t addr,
 }
 
 // ldmatrix.x4 (kTrans: .trans) of the 8x8 matrices at Tile::step(at, dr, dc) (smem_tile.h). As plain code the
-// compiler computes a walk's XOR once per k-step and puts the row offsets in the instruction's immediate: the
-// hd128 forward's main loop has 9-11% fewer instructions and ran 4-8% faster in its A/B (docs/kernel_notes.md, "v27").
-// kAddrInAsm (swizzled tiles) computes every address inside the asm instead (ldmatrix_x4_xor), with fewer registers
-// live: the backwards other than hd64's keep it (BwdVariantTraits::kLdsmAddrInAsm); hd128's measured 0-3% slower
-// with plain addresses.
+// compiler computes a walk's XOR once per k-step and puts the row offsets in the instruction's immediate, which
+// takes about a tenth of the instructions out of the hd128 forward's main loop. kAddrInAsm (swizzled tiles)
+// computes every address inside the asm instead (ldmatrix_x4_xor), with fewer registers live: the backwards other
+// than hd64's keep it (BwdTiledTraits::kLdsmAddrInAsm), hd128's being slower with plain addresses.
 template <typename Tile, bool kTrans = false, bool kAddrInAsm = false>
 __device__ __forceinline__ void ldmatrix_tile(uint32_t (&r)[4], uint32_t at, int dr, int dc) {
     if constexpr (Tile::kSwizzled && kAddrInAsm) {

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flash_kernel
+from flash_kernel.interface import set_kernel_overrides
 
 _HERE = Path(__file__).resolve().parent
 
@@ -21,6 +22,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE in Path(item.path).resolve().parents:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def overrides():
+    """flash_kernel.interface.set_kernel_overrides for this test; the defaults are back after it, pass or fail."""
+    yield set_kernel_overrides
+    set_kernel_overrides()
 
 
 @pytest.fixture(autouse=True)

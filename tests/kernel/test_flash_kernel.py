@@ -159,9 +159,8 @@ def test_long_other_head_dims(dtype, D, causal):
 
 # ------------------------------------------------------------------ the two kernel paths per pass on Hopper
 # On an sm_90 GPU the grid above runs the wgmma forward and backward (head dims 33-128); these keep the
-# mma.sync kernels, which sm_90 users get with FLASH_KERNEL_FWD=sm80 / FLASH_KERNEL_BWD=sm80 (and the
-# deterministic backward always) and every other GPU gets always, tested there.
-PASS_ENV = {"fwd": "FLASH_KERNEL_FWD", "bwd": "FLASH_KERNEL_BWD"}
+# mma.sync kernels, which sm_90 runs under set_kernel_overrides(fwd="sm80") / (bwd="sm80") (and for the
+# deterministic backward always) and every other GPU runs always, tested there.
 
 
 def _kernel_name(pass_, D, deterministic=False):
@@ -189,22 +188,19 @@ def test_hopper_kernels_are_the_default_on_sm90(pass_, D):
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
-def test_sm80_kernels_on_sm90(monkeypatch, pass_, dtype, D, causal, seqlen_q, seqlen_k):
+def test_sm80_kernels_on_sm90(overrides, pass_, dtype, D, causal, seqlen_q, seqlen_k):
     _skip_unless_sm90()
-    monkeypatch.setenv(PASS_ENV[pass_], "sm80")
+    overrides(**{pass_: "sm80"})
     assert _kernel_name(pass_, D) == "sm80-mma"
     run_case(1, seqlen_q, seqlen_k, 4, 2, D, dtype, causal)
 
 
 @pytest.mark.parametrize("pass_,name", [("fwd", "forward"), ("bwd", "backward")])
-def test_unknown_kernel_path_is_refused(monkeypatch, pass_, name):
-    monkeypatch.setenv(PASS_ENV[pass_], "wgmma")
-    q, k, v, do = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=f"{PASS_ENV[pass_]}=wgmma is not a {name} path; use auto"):
-        if pass_ == "fwd":
-            kernel_fwd(q, k, v, True, 0.125)
-        else:
-            kernel_bwd(do, q, k, v, torch.zeros_like(q), torch.zeros(1, 2, 16, device="cuda"), True, 0.125)
+def test_unknown_kernel_path_is_refused(overrides, pass_, name):
+    overrides(**{pass_: "sm80"})
+    with pytest.raises(RuntimeError, match=f"{pass_}=wgmma is not a {name} path; use auto"):
+        overrides(**{pass_: "wgmma"})
+    assert _kernel_name(pass_, 64) == "sm80-mma"  # the refused call left the switches as they were
 
 
 # (300, 2100): from 2048 keys the Hopper forward's wide key blocks (hopper_kernel_traits.h) under the same padding.
@@ -253,25 +249,20 @@ def test_persistent_forward_many_tiles(D, causal, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("D", [64, 80, 128])
 @pytest.mark.parametrize("sm80", [False, True], ids=["default", "sm80"])
-def test_causal_block_order_groups(monkeypatch, sm80, D, group):
-    monkeypatch.setenv("FLASH_KERNEL_CAUSAL_GROUP_HEADS", str(group))
-    if sm80:
-        monkeypatch.setenv("FLASH_KERNEL_FWD", "sm80")
-        monkeypatch.setenv("FLASH_KERNEL_BWD", "sm80")
+def test_causal_block_order_groups(overrides, sm80, D, group):
+    overrides(causal_group_heads=group, **({"fwd": "sm80", "bwd": "sm80"} if sm80 else {}))
     B, H = (3, 4) if group == 4 else (2, 5)
     run_case(B, 385, 385, H, 1, D, torch.bfloat16, causal=True)
     run_case(B, 200, 461, H, H, D, torch.float16, causal=True)  # Tq < Tk: bottom-right aligned
 
 
-def test_causal_block_order_group_env_is_checked(monkeypatch):
-    monkeypatch.setenv("FLASH_KERNEL_CAUSAL_GROUP_HEADS", "0")
-    q, k, v, _ = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="FLASH_KERNEL_CAUSAL_GROUP_HEADS=0 is not a positive integer"):
-        kernel_fwd(q, k, v, True, 0.125)
+def test_causal_block_order_group_override_is_checked(overrides):
+    with pytest.raises(RuntimeError, match="causal_group_heads=-1 is not a positive integer"):
+        overrides(causal_group_heads=-1)
 
 
 # ----------------------------------------------------------------- GPUs with less shared memory per block
-# FLASH_KERNEL_MAX_SMEM_PER_BLOCK makes this GPU choose and check the sm80 kernels as one whose thread blocks get
+# set_kernel_overrides(max_smem_per_block=N) makes this GPU choose and check the sm80 kernels as one whose thread blocks get
 # that many bytes would (flash_api.cpp, set_smem_limits). A100, 163 KiB: the hd128 backward runs its one-dO-stage
 # SmallSmemTraits. sm_86 / sm_89, 99 KiB: the Smem99KiBTraits of kernel_traits.h (smaller backward tiles, a
 # two-stage forward at head dim 96). An H100 picks neither on its own. Below what the smallest config needs, the
@@ -283,27 +274,25 @@ SMEM_LIMITS = {"a100": A100_SMEM_PER_BLOCK, "sm89": SM89_SMEM_PER_BLOCK}
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
-def _emulate_smem_per_block(monkeypatch, limit):
-    monkeypatch.setenv("FLASH_KERNEL_MAX_SMEM_PER_BLOCK", str(limit))
-    monkeypatch.setenv("FLASH_KERNEL_FWD", "sm80")  # the Hopper kernels do not heed the limit
-    monkeypatch.setenv("FLASH_KERNEL_BWD", "sm80")
+def _emulate_smem_per_block(overrides, limit):
+    overrides(fwd="sm80", bwd="sm80", max_smem_per_block=limit)  # the Hopper kernels do not heed the limit
 
 
 def _smem_bytes(D, backward):
     return _load_C().sm80_smem_bytes(D, torch.cuda.current_device(), backward)
 
 
-def test_full_smem_runs_every_head_dim_and_smaller_limits_pick_smaller_configs(monkeypatch):
+def test_full_smem_runs_every_head_dim_and_smaller_limits_pick_smaller_configs(overrides):
     for D in HEAD_DIMS:
         for deterministic in (False, True):
             assert flash_kernel.unavailable_reason(D, deterministic=deterministic) is None, D
     full = {D: (_smem_bytes(D, False), _smem_bytes(D, True)) for D in HEAD_DIMS}
     if full[128][1] <= A100_SMEM_PER_BLOCK:
         pytest.skip("this GPU runs the A100 backward configs already")
-    _emulate_smem_per_block(monkeypatch, A100_SMEM_PER_BLOCK)
+    _emulate_smem_per_block(overrides, A100_SMEM_PER_BLOCK)
     # SmallSmemTraits: one (64 x 128) bf16 dO stage less, and no dQ staging tiles (8 warps x 16 x 32 fp32)
     assert _smem_bytes(128, True) == full[128][1] - 64 * 128 * 2 - 8 * 16 * 32 * 4
-    _emulate_smem_per_block(monkeypatch, SM89_SMEM_PER_BLOCK)
+    _emulate_smem_per_block(overrides, SM89_SMEM_PER_BLOCK)
     for D in HEAD_DIMS:  # every pass has a config that fits, and it is a smaller one wherever the full one does not
         for backward in (False, True):
             need = _smem_bytes(D, backward)
@@ -316,23 +305,23 @@ def test_full_smem_runs_every_head_dim_and_smaller_limits_pick_smaller_configs(m
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("gpu", list(SMEM_LIMITS))
-def test_smaller_smem_configs(monkeypatch, gpu, dtype, D, causal, seqlen_q, seqlen_k):
+def test_smaller_smem_configs(overrides, gpu, dtype, D, causal, seqlen_q, seqlen_k):
     limit = SMEM_LIMITS[gpu]
-    _emulate_smem_per_block(monkeypatch, limit)
+    _emulate_smem_per_block(overrides, limit)
     assert _smem_bytes(D, False) <= limit and _smem_bytes(D, True) <= limit
     assert flash_kernel.unavailable_reason(D) is None
     run_case(1, seqlen_q, seqlen_k, 4, 2, D, dtype, causal)
 
 
 @pytest.mark.parametrize("D", [32, 128])
-def test_kernels_that_do_not_fit_are_refused_before_launch(monkeypatch, D):
-    _emulate_smem_per_block(monkeypatch, TOO_SMALL_SMEM_PER_BLOCK)
+def test_kernels_that_do_not_fit_are_refused_before_launch(overrides, D):
+    _emulate_smem_per_block(overrides, TOO_SMALL_SMEM_PER_BLOCK)
     fits = {pass_: _smem_bytes(D, pass_ == "bwd") <= TOO_SMALL_SMEM_PER_BLOCK for pass_ in ("fwd", "bwd")}
     assert fits == {"fwd": D == 32, "bwd": False}
     with pytest.raises(RuntimeError, match=f"attention=flash cannot run at head dim {D} on cuda"):
         check_attention_runs_on("flash", D, torch.device("cuda", torch.cuda.current_device()))
     refused = rf"the {{}} kernel at head dim {D} needs [\d.]+ KiB of shared memory per thread block, but .* gives a " \
-              r"block at most 48.0 KiB under FLASH_KERNEL_MAX_SMEM_PER_BLOCK\. .*attention=sdpa"
+              r"block at most 48.0 KiB under the max_smem_per_block override\. .*attention=sdpa"
     q, k, v, do = _randn_qkv(1, 77, 77, 4, 2, D, torch.bfloat16)
     if fits["fwd"]:
         o, lse = kernel_fwd(q, k, v, True, 0.125)
@@ -345,22 +334,20 @@ def test_kernels_that_do_not_fit_are_refused_before_launch(monkeypatch, D):
         kernel_bwd(do, q, k, v, o, lse, True, 0.125)
 
 
-def test_smem_limit_env_is_checked(monkeypatch):
-    monkeypatch.setenv("FLASH_KERNEL_MAX_SMEM_PER_BLOCK", "99KB")
-    q, k, v, _ = _randn_qkv(1, 16, 16, 2, 2, 64, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="FLASH_KERNEL_MAX_SMEM_PER_BLOCK=99KB is not a positive number of bytes"):
-        kernel_fwd(q, k, v, True, 0.125)
+def test_smem_limit_override_is_checked(overrides):
+    with pytest.raises(RuntimeError, match="max_smem_per_block=-1 is not a positive number of bytes"):
+        overrides(max_smem_per_block=-1)
 
 
 # --------------------------------------------------------------------------------------- deterministic
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D,gpu", [(64, None), (128, None), (64, "sm89"), (128, "sm89"), (256, "sm89")])
-def test_deterministic_backward_is_bitwise_reproducible(monkeypatch, D, gpu, causal, gqa):
+def test_deterministic_backward_is_bitwise_reproducible(overrides, D, gpu, causal, gqa):
     # gpu="sm89": the 99 KiB configs. The ordered splits size themselves by the full config's key blocks
     # (bwd_block_n); the smaller configs have as many or more, each split walking several.
     if gpu is not None:
-        _emulate_smem_per_block(monkeypatch, SMEM_LIMITS[gpu])
+        _emulate_smem_per_block(overrides, SMEM_LIMITS[gpu])
         assert flash_kernel.unavailable_reason(D, deterministic=True) is None
     dtype, scale = torch.bfloat16, 1.0 / math.sqrt(D)
     # Long enough that many K/V blocks add into each dq row (where atomics would reorder the sums).
