@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What one short GPU allocation runs, by stage, so that each stage fits a 10-minute call of a lent machine
-# (offline, its own system python with torch + CUDA). Logs and result files are packed into $OUT.
+# The GPU checks and benchmarks by stage, each stage a run of at most 10 minutes on a GPU machine (offline, its
+# own system python with torch + CUDA). Logs and result files are packed into $OUT.
 #
 #   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
 #   bash bench/device_run.sh kernel [kernel.py args] # make bench-kernel, one part per (head dim, causal)
@@ -8,10 +8,10 @@
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #
 # Stages chain: `bash bench/device_run.sh check && bash bench/device_run.sh kernel --methods ours sdpa_flash`.
-# Run nothing that asks git about the tree on the device: its copy carries the working tree, but its .git
-# can be an older commit's (a `git checkout`/`stash` there once silently put back a previous commit's
-# sources). To run without a file of the working tree, copy the committed version in before building.
-# Every step has its own time limit, so one that hangs costs its limit, not the allocation.
+# Run nothing that asks git about the tree on the GPU machine: a copy of the working tree there may carry an
+# older commit's .git (a `git checkout`/`stash` would silently put back that commit's sources). To run without
+# a file of the working tree, copy the committed version in before building.
+# Every step has its own time limit, so one that hangs costs its limit, not the stage.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
@@ -30,7 +30,7 @@ step() {  # step <seconds> <log name> <command...>: run, keep the log, say how i
     return $rc
 }
 
-pack() {  # results and run summaries back to the caller, in one file (the device tool returns few files)
+pack() {  # results and run summaries in one file, to copy back from the GPU machine
     tar -czf "$OUT/results.tgz" bench/results/*.json bench/results/*.md bench/results/*.png \
         $(find outputs -name 'wandb-summary.json' -o -name 'metrics.csv' 2>/dev/null) \
         $(find bench/results/runs -name 'train.log' -o -name 'metrics.json' -o -name 'metrics.csv' 2>/dev/null) 2>/dev/null
@@ -79,7 +79,7 @@ kernel)
 e2e)
     build_quietly
     data_quietly
-    log="e2e_$(ls "$OUT"/e2e_*.log 2>/dev/null | wc -l)"  # one log per call when stages are chained
+    log="e2e_$(ls "$OUT"/e2e_*.log 2>/dev/null | wc -l)"  # one log per stage run when stages are chained
     step 540 "$log" $PY bench/e2e.py "$@"
     grep -E "^\[e2e\]|^\|" "$OUT/$log.log"
     ;;

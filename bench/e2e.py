@@ -5,7 +5,7 @@ callback) for `--warmup` + `--steps` optimizer steps and reads the perf/* rates 
 steps; a bare PyTorch loop (same GPT, same batch shape, same fused AdamW, bf16 autocast, clipping,
 no Lightning, no data loader) runs beside it so the table shows what the pipeline costs.
 
-Protocol: a fixed token budget per GPU step, 16k by default (batch = 16384 // seq_len, as the FA2 paper),
+Protocol: a fixed number of tokens per GPU step, 16k by default (batch = 16384 // seq_len, as the FA2 paper),
 bf16. GPT3-2.7B does not fit 16k tokens per step on an 80 GB GPU (weights, grads and AdamW state alone are
 43 GB): run it with `--tokens-per-step 8192`.
 FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, not hidden.
@@ -19,7 +19,7 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
 subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
 per GPU step stay --tokens-per-step, so the global batch grows with N). The bare loop is single-GPU only.
-Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so short GPU allocations add up.
+Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so runs of a few minutes each add up.
 """
 
 from __future__ import annotations
