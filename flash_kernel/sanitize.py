@@ -6,6 +6,8 @@
   python3 -m flash_kernel.sanitize --full     many shapes: dtypes, every head dim incl. 80, Tq != Tk,
                                               GQA/MQA, fused-qkv strided views, deterministic bitwise
   python3 -m flash_kernel.sanitize --bench    TFLOP/s vs SDPA's FLASH backend (bf16, causal, B*T = 16k)
+  python3 -m flash_kernel.sanitize --sm80     any of the above on the mma.sync kernels, which a Hopper GPU
+                                              otherwise runs only where it has no wgmma kernel
 
 Exits non-zero on any mismatch. Outputs are poisoned with NaN before every call so an unwritten element
 fails. Pass criterion (flash-attn's): the kernel's error against an fp32 reference is at most twice the
@@ -226,10 +228,13 @@ def main(argv=None) -> int:
     parser.add_argument("--bench", action="store_true", help="time against SDPA's FLASH backend")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="--bench head dims")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192], help="--bench sequence lengths")
+    parser.add_argument("--sm80", action="store_true", help="the mma.sync kernels for both passes, also on Hopper")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("flash_kernel.sanitize: no CUDA device")
         return 1
+    if args.sm80:
+        _C.set_overrides("sm80", "sm80", 0, 0)  # flash_kernel.interface.set_kernel_overrides(fwd="sm80", bwd="sm80")
     if args.bench:
         bench(args.head_dims, args.seqlens)
         return 0
