@@ -50,8 +50,9 @@ sample: install build ## generate text from the last checkpoint of `make train` 
 	echo "make sample: $(PYTHON) sample.py ckpt_path=$$ckpt $(ARGS)"; \
 	$(PYTHON) sample.py ckpt_path=$$ckpt $(ARGS)
 
+# make test leaves nothing in the tree: no bytecode, no .pytest_cache (the tests write runs under tmp)
 test: install build ## run the test suite (CPU tests always; GPU tests when a GPU and the built kernel are present)
-	PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider $(ARGS)  # leaves nothing in the tree
+	PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider $(ARGS)
 
 test-gpu: install build ## only the GPU tests (kernel correctness), failing if they would skip
 	$(PYTHON) -c "import torch, flash_kernel as fk, sys; sys.exit(0 if torch.cuda.is_available() and fk.is_available() else 'test-gpu: ' + str(fk.unavailable_reason()))"
