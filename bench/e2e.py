@@ -13,6 +13,7 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py                                   # everything (long: run by parts)
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions sdpa flash --compile both
     python bench/e2e.py --models gpt3-2.7b --tokens-per-step 8192
+    python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --compile both --modes pipeline
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
 
@@ -41,9 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
-from model.attention import get_qkvpacked_attention  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
-from model.gpt import GPT, GPTConfig  # noqa: E402
+from model.gpt import GPT, GPTConfig, packs_qkv  # noqa: E402
 from model.loss import next_token_loss  # noqa: E402
 from train import TrainingOutOfMemory, train  # noqa: E402
 
@@ -78,6 +78,11 @@ def _compose(overrides: list[str]):
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
+
+
+def _model_config(model: str, attention: str, seq_len: int = 1024) -> dict:
+    """The preset's GPTConfig fields as train.py composes them (conf/train.yaml sets seq_len and attention)."""
+    return dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}"]).model)
 
 
 def _rates(metrics: dict) -> dict:
@@ -134,8 +139,7 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (compiled
     with the model when compile), fused AdamW, clipping. Returns (step, GPTConfig); model_overrides set
     GPTConfig fields (e.g. fp32_residual=True)."""
-    mcfg = {**_compose([f"model={model}"]).model, **model_overrides}
-    cfg = GPTConfig(**mcfg, vocab_size=50257, seq_len=seq_len, attention=attention)
+    cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
     gpt = GPT(cfg).cuda()
     loss_fn = next_token_loss
@@ -218,6 +222,12 @@ def _attention(r: dict) -> str:
 def residual_dtype(model: str) -> str:
     """'bf16' or 'fp32': the residual stream a model's config runs under bf16 autocast (model/gpt.py)."""
     return "fp32" if _compose([f"model={model}"]).model.get("fp32_residual", False) else "bf16"
+
+
+def qkv_layout(model: str, attention: str) -> str:
+    """'packed' where a model's blocks hand the fused projection whole to the attention (model/gpt.py packs_qkv:
+    flash, H key/value heads, learned positions), else 'views' (q, k, v views; GQA and RoPE models)."""
+    return "packed" if packs_qkv(GPTConfig(**_model_config(model, attention))) else "views"
 
 
 def _key(r: dict) -> tuple:
@@ -350,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model),
-                         qkv="packed" if get_qkvpacked_attention(attn) else "views",
+                         qkv=qkv_layout(model, attn),
                          **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
                 new.append(r)
                 print(

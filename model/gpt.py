@@ -102,6 +102,12 @@ class GPTConfig:
         return math.ceil(self.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def packs_qkv(cfg: GPTConfig) -> bool:
+    """Whether the blocks hand the fused projection whole, (B, T, 3, H, D), to the attention's qkv-packed form
+    (model/attention.py): where it has one, for H key/value heads that RoPE does not rotate."""
+    return get_qkvpacked_attention(cfg.attention) is not None and cfg.kv_heads == cfg.n_head and cfg.pos_emb == "learned"
+
+
 def _norm_in_input_dtype(norm, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
     """norm(x, *params) outside autocast, with the params cast to x's dtype (see LayerNorm)."""
     with torch.autocast(x.device.type, enabled=False):
@@ -189,10 +195,8 @@ class CausalSelfAttention(nn.Module):
         self.proj.is_residual_out = True
         self.dropout = nn.Dropout(cfg.dropout)
         self.attn_fn = get_attention(cfg.attention)
-        # The packed form takes the projection whole, (B, T, 3, H, D): only for H key/value heads that RoPE
-        # does not rotate. Otherwise (None) attn_fn gets q, k, v views.
-        packed = get_qkvpacked_attention(cfg.attention)
-        self.attn_qkvpacked = packed if self.n_kv_head == self.n_head and cfg.pos_emb == "learned" else None
+        # None: attn_fn gets q, k, v views
+        self.attn_qkvpacked = get_qkvpacked_attention(cfg.attention) if packs_qkv(cfg) else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None

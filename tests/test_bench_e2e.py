@@ -85,3 +85,10 @@ def test_rows_name_how_the_blocks_passed_qkv():
     assert e2e._key(views) != e2e._key(packed)
     md = e2e.table([views, packed, sdpa])
     assert "| flash, bf16 residual | no |" in md and "| flash, bf16 residual, qkv packed | no |" in md
+
+
+def test_rows_record_whether_the_blocks_pack_qkv():
+    """GPT-3 presets under flash pass the fused projection whole; the Llama-style preset (GQA, RoPE) passes views."""
+    assert e2e.qkv_layout("gpt3-1.3b", "flash") == "packed"
+    assert e2e.qkv_layout("gpt3-1.3b", "sdpa") == "views"
+    assert e2e.qkv_layout("llama-1b", "flash") == "views"
