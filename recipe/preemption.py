@@ -6,7 +6,8 @@ at every step under DDP, so all ranks stop at the same step) and the loop raises
 SystemExit with status 0, without saving. `Preemption` adds what a scheduler and the user need:
   - SIGINT, and SIGUSR1 when no SLURM auto-requeue handler owns it, raise the same flag, so Ctrl-C also lets
     the optimizer step finish instead of interrupting it halfway; a second Ctrl-C interrupts at once;
-  - on the SIGTERMException it writes checkpoints/step<N>.ckpt and last.ckpt (unless step N was just saved);
+  - on the SIGTERMException it writes checkpoints/step<N>.ckpt and last.ckpt (unless step N was just saved),
+    as it does when training ends between two periodic checkpoints;
   - `stopped(trainer)` turns the exception into `Preempted`, whose exit status is 128 + the signal number
     (143 for SIGTERM), so a scheduler sees a failure, not a success.
 Under SLURM, Lightning's SLURMEnvironment(auto_requeue=True) (its default when it detects SLURM) saves
@@ -67,17 +68,28 @@ class Preemption(L.Callback):
             return
         self.signum = self.signum or signal.SIGTERM
         self.step = trainer.global_step
-        cb = trainer.checkpoint_callback
-        if not isinstance(cb, ModelCheckpoint) or cb.dirpath is None:
-            return  # checkpointing is off: nothing to write
-        metrics = {"step": trainer.global_step, "epoch": trainer.current_epoch}
-        path = cb.format_checkpoint_name(metrics)
-        if getattr(cb, "_last_global_step_saved", None) != trainer.global_step or not os.path.exists(path):
-            trainer.save_checkpoint(path)
-            if cb.save_last and trainer.is_global_zero and os.path.isfile(path):
-                link_checkpoint(path, cb.format_checkpoint_name(metrics, cb.CHECKPOINT_NAME_LAST))
-        self.checkpoint = path
+        self.checkpoint = save_step(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A run whose trainer.max_steps is not a multiple of ckpt_every ends between two periodic saves: its
+        # last steps go into step<N>.ckpt and last.ckpt too.
+        save_step(trainer)
+
+
+def save_step(trainer: L.Trainer) -> str | None:
+    """Write checkpoints/step<N>.ckpt for the current step (unless the checkpoint callback just did) and
+    make last.ckpt the same file; returns its path (None when checkpointing is off)."""
+    cb = trainer.checkpoint_callback
+    if not isinstance(cb, ModelCheckpoint) or cb.dirpath is None:
+        return None
+    metrics = {"step": trainer.global_step, "epoch": trainer.current_epoch}
+    path = cb.format_checkpoint_name(metrics)
+    if getattr(cb, "_last_global_step_saved", None) != trainer.global_step or not os.path.exists(path):
+        trainer.save_checkpoint(path)
+        if cb.save_last and trainer.is_global_zero and os.path.isfile(path):
+            link_checkpoint(path, cb.format_checkpoint_name(metrics, cb.CHECKPOINT_NAME_LAST))
         rank_zero_info(f"saved {path} at step {trainer.global_step}")
+    return path
 
 
 def link_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> None:
