@@ -3,8 +3,9 @@
 `train(cfg)` builds the Trainer, data, model, callbacks and logger from a composed config and fits; `main()`
 is the Hydra entry around it, so tests (and other scripts) can call `train` with a config composed by
 `hydra.compose`. Config lives in conf/; see README.md for the knobs. What surrounds the model lives in
-recipe/: the launch and its world (launch.py), the checks before any work (checks.py), the global batch
-(batch.py), the logger (wandb_run.py), out-of-memory advice (oom.py).
+recipe/: the launch and its world (launch.py), the checks before any work (checks.py, schema.py, preflight.py),
+the global batch (batch.py), the logger (wandb_run.py), out-of-memory advice (oom.py), checkpoints and signals
+(checkpoint_io.py, preemption.py; docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from model.lit_gpt import LitGPT, NonFiniteLossError
+from model.checkpoint import CheckpointModelMismatch
+from model.lit_gpt import LitGPT, NonFiniteLossError, ResumeError
 from recipe.batch import describe_global_batch, set_accumulation
+from recipe.checkpoint_files import CheckpointError
 from recipe.checks import ConfigError, validate
 from recipe.launch import describe_launch, detect_launcher, output_dir
 from recipe.oom import TrainingOutOfMemory, explain_oom
+from recipe.preemption import Preempted, stopped
+from recipe.preflight import check_writable, describe_cpu_default
 from recipe.resolvers import register_resolvers
+from recipe.schema import check_types
 from recipe.wandb_run import build_logger, describe_logger, finish_logger
 
 register_resolvers()
@@ -59,14 +66,18 @@ def build_module(cfg: DictConfig, vocab_size: int) -> LitGPT:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit the model described by `cfg`; returns the final logged metrics (floats)."""
+    check_types(cfg)
     launcher = detect_launcher()
+    run_dir_key = "output_dir" if cfg.get("output_dir") else "hydra.run.dir"
     with open_dict(cfg):
         cfg.output_dir = output_dir(cfg)
+    check_writable(cfg.output_dir, run_dir_key)
     validate(cfg, launcher)
     logger = build_logger(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg, logger is not None), logger=logger or False)
     set_accumulation(cfg, trainer)
-    for line in (describe_launch(trainer, launcher), describe_global_batch(cfg, trainer), describe_logger(logger)):
+    for line in (describe_launch(trainer, launcher), describe_global_batch(cfg, trainer), describe_logger(logger),
+                 describe_cpu_default(cfg)):
         if line:
             rank_zero_info(line)  # the run's first lines
 
@@ -81,6 +92,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         ok = True
+    except SIGTERMException:  # Lightning's stop on a signal, after the checkpoint recipe/preemption.py wrote
+        raise stopped(trainer) from None
     except torch.OutOfMemoryError as err:
         raise TrainingOutOfMemory(explain_oom(cfg, err, trainer.strategy.root_device)) from err
     finally:
@@ -109,9 +122,12 @@ def write_run_summary(trainer: L.Trainer, metrics: dict[str, float], out: Path) 
 def main(cfg: DictConfig) -> None:
     try:
         metrics = train(cfg)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError, CheckpointModelMismatch, ResumeError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Preempted as err:
+        print(err, file=sys.stderr)
+        sys.exit(err.exit_code)
     except (NonFiniteLossError, TrainingOutOfMemory) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

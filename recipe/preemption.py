@@ -42,12 +42,11 @@ class Preemption(L.Callback):
     def __init__(self) -> None:
         self.signum: int | None = None  # the signal that stopped the run (SIGTERM when Lightning saw it first)
         self.checkpoint: str | None = None
-        self.step: int | None = None
 
     # Installed once training starts, after Lightning registered its own handlers, which it restores (ours
     # gone with them) when fit() ends.
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.signum = self.checkpoint = self.step = None
+        self.signum = self.checkpoint = None
         owned = [signal.SIGINT]
         if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):  # else SLURM requeue handles it
             owned.append(signal.SIGUSR1)
@@ -67,7 +66,6 @@ class Preemption(L.Callback):
         if not isinstance(exception, SIGTERMException):
             return
         self.signum = self.signum or signal.SIGTERM
-        self.step = trainer.global_step
         self.checkpoint = save_step(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

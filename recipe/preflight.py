@@ -13,8 +13,10 @@ from pathlib import Path
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig
 
+from recipe.checks import ConfigError
 
-class RunDirError(ValueError):
+
+class RunDirError(ConfigError):
     """The run directory cannot be written; the message names the key that sets it."""
 
 
@@ -38,6 +40,9 @@ class RunDirCheck(HydraCallback):
     before Hydra itself fails creating it with a bare traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().set_config(config)  # the dir interpolates ${hydra:...}; Hydra sets it next anyway
         try:
             check_writable(config.hydra.run.dir, "hydra.run.dir")
         except RunDirError as err:
@@ -47,6 +52,15 @@ class RunDirCheck(HydraCallback):
 
 # Parameters in the blocks (12·L·d²) above which a model is GPU-sized: gpt-tiny has 0.8M, GPT3-125M 85M.
 CPU_SIZED_BLOCK_PARAMS = 10_000_000
+
+
+def describe_cpu_default(cfg: DictConfig) -> str | None:
+    """cpu_default_hint for this process: its CUDA devices and Hydra's model choice."""
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = HydraConfig.get().runtime.choices.get("model") if HydraConfig.initialized() else None
+    return cpu_default_hint(cfg, torch.cuda.is_available(), choice)
 
 
 def cpu_default_hint(cfg: DictConfig, cuda_available: bool, model_choice: str | None = None) -> str | None:

@@ -15,6 +15,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recipe.checks import ConfigError
+
 
 @dataclass
 class DataSchema:
@@ -81,7 +83,7 @@ class TrainSchema:
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
 
 
-class ConfigTypeError(ValueError):
+class ConfigTypeError(ConfigError):
     """A config value of the wrong type; the message names the key."""
 
 
