@@ -100,6 +100,9 @@ def _load_C() -> ModuleType:
     return C
 
 
+KERNEL_PATHS = ("auto", "sm80")  # a pass's kernels on a Hopper GPU: sm_90a wgmma where built, or mma.sync
+
+
 def set_kernel_overrides(fwd: str = "auto", bwd: str = "auto", causal_group_heads: int = 0,
                          max_smem_per_block: int = 0) -> None:
     """Switches for tests and benchmarks, for every later call in this process; called with no arguments, the
@@ -110,9 +113,16 @@ def set_kernel_overrides(fwd: str = "auto", bwd: str = "auto", causal_group_head
     number of (batch, head) pairs per group of the causal forward's block order. max_smem_per_block: 0 (the
     device's) or the bytes of shared memory a thread block may have, as on a smaller GPU: the sm80 kernels then
     choose and refuse configs as there (A100: 166912, sm_86 / sm_89: 101376; the Hopper kernels ignore it, so pair
-    it with fwd = bwd = "sm80"). A bad value raises RuntimeError and leaves the switches as they were.
+    it with fwd = bwd = "sm80"). A bad value raises ValueError and leaves the switches as they were.
     """
-    _load_C().set_overrides(fwd, bwd, causal_group_heads, max_smem_per_block)
+    for name, path, what in (("fwd", fwd, "forward"), ("bwd", bwd, "backward")):
+        if path not in KERNEL_PATHS:
+            _fail(f"{name}={path} is not a {what} path; use auto (the default) or sm80")
+    if causal_group_heads < 0:
+        _fail(f"causal_group_heads={causal_group_heads} is not a positive integer (or 0: sized to L2)")
+    if max_smem_per_block < 0:
+        _fail(f"max_smem_per_block={max_smem_per_block} is not a positive number of bytes (or 0: the device's)")
+    _load_C().set_overrides(fwd == "sm80", bwd == "sm80", int(causal_group_heads), int(max_smem_per_block))
 
 
 @contextlib.contextmanager

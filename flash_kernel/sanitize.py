@@ -23,6 +23,7 @@ import sys
 import torch
 
 from flash_kernel import _C
+from flash_kernel.interface import set_kernel_overrides
 
 SLACK = 1e-3  # relative-error slack on top of 2x PyTorch's own low-precision error
 
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
         print("flash_kernel.sanitize: no CUDA device")
         return 1
     if args.sm80:
-        _C.set_overrides("sm80", "sm80", 0, 0)  # flash_kernel.interface.set_kernel_overrides(fwd="sm80", bwd="sm80")
+        set_kernel_overrides(fwd="sm80", bwd="sm80")
     if args.bench:
         bench(args.head_dims, args.seqlens)
         return 0

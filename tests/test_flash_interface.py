@@ -418,3 +418,17 @@ def test_model_with_flash_calls_the_packed_form(cpu_op, monkeypatch):
     for (name, a), b in zip(flash.named_parameters(), reference.parameters()):
         assert a.grad is not None, name
         torch.testing.assert_close(a.grad, b.grad, atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"fwd": "wgmma"}, "fwd=wgmma is not a forward path; use auto"),
+    ({"bwd": "sm90"}, "bwd=sm90 is not a backward path; use auto"),
+    ({"causal_group_heads": -1}, "causal_group_heads=-1 is not a positive integer"),
+    ({"max_smem_per_block": -1}, "max_smem_per_block=-1 is not a positive number of bytes"),
+])
+def test_kernel_overrides_are_checked_before_the_extension(overrides, match):
+    """A bad switch is a ValueError naming it, raised in Python before the extension is reached (so here too)."""
+    from flash_kernel.interface import set_kernel_overrides
+
+    with pytest.raises(ValueError, match=match):
+        set_kernel_overrides(**overrides)

@@ -5,8 +5,8 @@
 // Both write into caller-allocated outputs (which may be poisoned; every element is written), validate
 // every input with an error that names the tensor, refuse a GPU whose thread blocks get less shared memory
 // than the kernel asks for (saying what to use instead), and launch on the current CUDA stream.
-// set_overrides(fwd, bwd, causal_group_heads, max_smem_per_block): the tests' and benchmarks' switches (Overrides
-// below); nothing else changes which kernel runs.
+// set_overrides(fwd_sm80, bwd_sm80, causal_group_heads, max_smem_per_block): the tests' and benchmarks' switches
+// (Overrides below); nothing else changes which kernel runs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
@@ -108,25 +108,11 @@ struct Overrides {
 };
 Overrides g_overrides;
 
-// "auto" (the default) or "sm80", the two kernel paths of a pass on a Hopper GPU.
-bool sm80_forced(const std::string& choice, const char* pass) {
-    TORCH_CHECK(choice == "auto" || choice == "sm80", "flash_kernel: ", pass, "=", choice, " is not a ",
-                pass == std::string("fwd") ? "forward" : "backward", " path; use auto (the default) or sm80");
-    return choice == "sm80";
-}
-
-void set_overrides(const std::string& fwd, const std::string& bwd, int64_t causal_group_heads,
-                   int64_t max_smem_per_block) {
-    Overrides o;
-    o.fwd_sm80 = sm80_forced(fwd, "fwd");
-    o.bwd_sm80 = sm80_forced(bwd, "bwd");
-    TORCH_CHECK(causal_group_heads >= 0, "flash_kernel: causal_group_heads=", causal_group_heads,
-                " is not a positive integer (or 0: sized to L2)");
-    TORCH_CHECK(max_smem_per_block >= 0, "flash_kernel: max_smem_per_block=", max_smem_per_block,
-                " is not a positive number of bytes (or 0: the device's)");
-    o.causal_group_heads = causal_group_heads;
-    o.max_smem_per_block = max_smem_per_block;
-    g_overrides = o;
+// Called only through flash_kernel.interface.set_kernel_overrides, which checks every value and names a bad one
+// before it gets here; a negative count reads as 0 (the default).
+void set_overrides(bool fwd_sm80, bool bwd_sm80, int64_t causal_group_heads, int64_t max_smem_per_block) {
+    g_overrides = Overrides{fwd_sm80, bwd_sm80, std::max<int64_t>(causal_group_heads, 0),
+                            std::max<int64_t>(max_smem_per_block, 0)};
 }
 
 bool is_sm90(int device_index) {
@@ -386,9 +372,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "on this CUDA device, under the max_smem_per_block override where set",
           py::arg("head_dim"), py::arg("device_index"), py::arg("backward"));
     m.def("set_overrides", &set_overrides,
-          "tests' and benchmarks' switches, for every later call: fwd / bwd 'auto' or 'sm80' (the kernel a Hopper GPU "
-          "runs), causal_group_heads (0: sized to L2), max_smem_per_block (bytes; 0: the device's)",
-          py::arg("fwd"), py::arg("bwd"), py::arg("causal_group_heads"), py::arg("max_smem_per_block"));
+          "tests' and benchmarks' switches, for every later call (checked by flash_kernel.interface."
+          "set_kernel_overrides): the sm80 kernel for the forward / backward on a Hopper GPU, causal_group_heads "
+          "(0: sized to L2), max_smem_per_block (bytes; 0: the device's)",
+          py::arg("fwd_sm80"), py::arg("bwd_sm80"), py::arg("causal_group_heads"), py::arg("max_smem_per_block"));
     m.def("unsupported_reason", &unsupported_reason,
           "empty where the forward and backward kernels for this head dim fit this CUDA device, else why not",
           py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));

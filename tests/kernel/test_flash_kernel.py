@@ -198,7 +198,7 @@ def test_sm80_kernels_on_sm90(overrides, pass_, dtype, D, causal, seqlen_q, seql
 @pytest.mark.parametrize("pass_,name", [("fwd", "forward"), ("bwd", "backward")])
 def test_unknown_kernel_path_is_refused(overrides, pass_, name):
     overrides(**{pass_: "sm80"})
-    with pytest.raises(RuntimeError, match=f"{pass_}=wgmma is not a {name} path; use auto"):
+    with pytest.raises(ValueError, match=f"{pass_}=wgmma is not a {name} path; use auto"):
         overrides(**{pass_: "wgmma"})
     assert _kernel_name(pass_, 64) == "sm80-mma"  # the refused call left the switches as they were
 
@@ -257,7 +257,7 @@ def test_causal_block_order_groups(overrides, sm80, D, group):
 
 
 def test_causal_block_order_group_override_is_checked(overrides):
-    with pytest.raises(RuntimeError, match="causal_group_heads=-1 is not a positive integer"):
+    with pytest.raises(ValueError, match="causal_group_heads=-1 is not a positive integer"):
         overrides(causal_group_heads=-1)
 
 
@@ -335,7 +335,7 @@ def test_kernels_that_do_not_fit_are_refused_before_launch(overrides, D):
 
 
 def test_smem_limit_override_is_checked(overrides):
-    with pytest.raises(RuntimeError, match="max_smem_per_block=-1 is not a positive number of bytes"):
+    with pytest.raises(ValueError, match="max_smem_per_block=-1 is not a positive number of bytes"):
         overrides(max_smem_per_block=-1)
 
 
