@@ -41,11 +41,14 @@ def _cfg(attention, **options):
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_block_counts_the_same_flops_with_flash_as_with_sdpa(options):
     """A block's forward + backward under FlopCounterMode: the kernel's ops count what PyTorch's fused sdpa does,
-    the matmuls 6·(block matmul params)·tokens plus attention 14·B·H·T²·D (4 forward, 10 backward)."""
+    the matmuls 6·(block matmul params)·tokens plus attention 14·B·H·T²·D (4 forward, 10 backward). PyTorch's own
+    sdpa formula refuses K/V with fewer heads than Q ("query/key/value shapes are incompatible", torch 2.11), so
+    under GQA / MQA the kernel's count is checked against that hand count alone."""
     B, T = 2, 256
     x = torch.randn(B, T, 512, device="cuda", requires_grad=True)
     counts = {}
-    for attention in ("sdpa", "flash"):
+    countable = options.get("n_kv_head") is None  # PyTorch counts its sdpa only with as many K/V heads as Q heads
+    for attention in ("sdpa", "flash") if countable else ("flash",):
         cfg = _cfg(attention, **options)
         block = Block(cfg).cuda()
         rope = rope_cos_sin(torch.arange(T, device="cuda"), 128, cfg.rope_base, torch.bfloat16) if cfg.pos_emb == "rope" else None
@@ -53,7 +56,9 @@ def test_block_counts_the_same_flops_with_flash_as_with_sdpa(options):
             block(x, rope).float().sum().backward()
         counts[attention] = counter.get_total_flops()
     block_params = sum(p.numel() for p in block.parameters() if p.dim() == 2)
-    assert counts["flash"] == counts["sdpa"] == 6 * block_params * B * T + 14 * B * 4 * T * T * 128
+    assert counts["flash"] == 6 * block_params * B * T + 14 * B * 4 * T * T * 128
+    if countable:
+        assert counts["sdpa"] == counts["flash"]
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
