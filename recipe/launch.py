@@ -79,7 +79,7 @@ def launch_nodes() -> int:
 def shared_launch_id(env: Mapping[str, str] | None = None) -> str | None:
     """An id that every rank of one torchrun / srun launch sees alike (None when there is none)."""
     env = os.environ if env is None else env
-    # a multi-task srun; a lone `python train.py` inside an allocation keeps time-of-day names, so that
+    # a multi-task srun; a lone `python train.py` inside a SLURM job keeps time-of-day names, so that
     # consecutive runs of one job do not share a directory
     if env.get("SLURM_JOB_ID") and _int(env, "SLURM_NTASKS", 1) > 1:
         step = env.get("SLURM_STEP_ID")

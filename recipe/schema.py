@@ -42,6 +42,16 @@ class ModelSchema:
     d_model: int = 768
     dropout: float = 0.0
     activation_checkpointing: bool = False
+    bias: bool = True
+    n_kv_head: Optional[int] = None
+    pos_emb: str = "learned"
+    rope_base: float = 10000.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"
+    mlp_ratio: int = 4
+    d_ff: Optional[int] = None
+    fp32_residual: bool = False
 
 
 @dataclass

@@ -238,7 +238,8 @@ def test_unwritable_run_directory_is_refused_before_the_first_step(reference, tm
 
 # ------------------------------------------------------------------------------------ config mistakes
 @pytest.mark.parametrize("override, key", [("seq_len=abc", "seq_len"), ("data.batch_size=x", "data.batch_size"),
-                                           ("optim.optimizer.lr=fast", "optim.optimizer.lr")])
+                                           ("optim.optimizer.lr=fast", "optim.optimizer.lr"),
+                                           ("model.n_kv_head=two", "model.n_kv_head")])
 def test_config_type_errors_name_the_key(reference, tmp_path, override, key):
     from recipe.schema import ConfigTypeError
 

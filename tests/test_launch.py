@@ -49,7 +49,7 @@ def launch_env(monkeypatch):
      (SRUN_2x4, Launcher("srun", 8, 4, 2, 3)),
      ({**SRUN_2x4, "SLURM_JOB_NAME": "interactive"}, Launcher("python", 1, 1, 1, 0)),  # Lightning's rule too
      ({"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train"}, Launcher("srun", 1, 1, 1, 0)),
-     ({**SRUN_2x4, **TORCHRUN_2}, Launcher("torchrun", 2, 2, 1, 1)),  # torchrun inside an allocation
+     ({**SRUN_2x4, **TORCHRUN_2}, Launcher("torchrun", 2, 2, 1, 1)),  # torchrun inside a SLURM job
      ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1"}, Launcher("WORLD_SIZE/RANK launcher", 2, 2, 1, 1)),
      ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, Launcher("python", 1, 1, 1, 0))],  # a rank Lightning started
 )
@@ -125,7 +125,7 @@ def test_explicit_multi_gpu_settings_pass(launch_env, monkeypatch, overrides):
     "env, expected",
     [({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "2"}, "slurm-77.2"),
      ({"TORCHELASTIC_RUN_ID": "0123456789abcdef"}, "torchrun-01234567"),
-     ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None),  # one task in an allocation: a plain run
+     ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None),  # one task in a SLURM job: a plain run
      ({"TORCHELASTIC_RUN_ID": "none"}, None)],
 )
 def test_ranks_of_one_launch_name_one_run_directory(env, expected):
