@@ -36,7 +36,9 @@ def _overrides(cache, out, *extra):
         "data.batch_size=4", "data.num_workers=0", "data.vocab_size=300", "data.max_documents=30",
         f"data.cache_dir={cache}", "data.val_batches=1", f"trainer.max_steps={STEPS}", f"ckpt_every={CKPT_EVERY}",
         "trainer.val_check_interval=1000", "trainer.log_every_n_steps=2", "trainer.enable_model_summary=false",
-        "trainer.enable_progress_bar=false", "~callbacks.progress_bar", "logger=none", f"output_dir={out}", *extra,
+        "trainer.enable_progress_bar=false", "~callbacks.progress_bar", "logger=none", f"output_dir={out}",
+        f"hydra.run.dir={out}",  # Hydra's own files too, when train.py runs as a script: never in the repository
+        *extra,
     ]
 
 
