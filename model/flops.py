@@ -27,12 +27,17 @@ import torch
 from model.gpt import GPTConfig
 
 
-def matmul_params(cfg: GPTConfig) -> int:
-    """N: weights that enter a matmul. Biases, norms and position embeddings do not."""
+def block_matmul_params(cfg: GPTConfig) -> int:
+    """The transformer blocks' share of N, all layers: qkv, proj and the MLP's matrices."""
     d, D = cfg.d_model, cfg.head_dim
     attention = d * (cfg.n_head + 2 * cfg.kv_heads) * D + cfg.n_head * D * d  # qkv, proj
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.ffn_dim  # [gate,] up, down
-    return cfg.n_layer * (attention + mlp) + cfg.padded_vocab_size * d  # + tied head, once
+    return cfg.n_layer * (attention + mlp)
+
+
+def matmul_params(cfg: GPTConfig) -> int:
+    """N: weights that enter a matmul. Biases, norms and position embeddings do not."""
+    return block_matmul_params(cfg) + cfg.padded_vocab_size * cfg.d_model  # + tied head, once
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from hydra.experimental.callback import Callback as HydraCallback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from recipe.checks import ConfigError
 
@@ -50,7 +50,7 @@ class RunDirCheck(HydraCallback):
             sys.exit(2)
 
 
-# Parameters in the blocks (12·L·d²) above which a model is GPU-sized: gpt-tiny has 0.8M, GPT3-125M 85M.
+# Matmul parameters in the blocks above which a model is GPU-sized: gpt-tiny has 0.8M, GPT3-125M 85M.
 CPU_SIZED_BLOCK_PARAMS = 10_000_000
 
 
@@ -66,7 +66,11 @@ def describe_cpu_default(cfg: DictConfig) -> str | None:
 def cpu_default_hint(cfg: DictConfig, cuda_available: bool, model_choice: str | None = None) -> str | None:
     """The line to print when a GPU-sized model is about to train on a CPU (None otherwise): a plain
     `python train.py` on a laptop starts GPT3-125M for trainer.max_steps steps."""
-    block_params = 12 * cfg.model.n_layer * cfg.model.d_model**2
+    from model.flops import block_matmul_params
+    from model.gpt import GPTConfig
+
+    model = GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True), vocab_size=cfg.data.vocab_size)
+    block_params = block_matmul_params(model)  # what model/flops.py counts, for every model option
     on_cpu = not cuda_available or cfg.trainer.get("accelerator") == "cpu"
     if not on_cpu or block_params <= CPU_SIZED_BLOCK_PARAMS:
         return None
