@@ -45,22 +45,25 @@ def _srun(env: Mapping[str, str]) -> bool:
     return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
+def _world_size_launcher(name: str, env: Mapping[str, str]) -> Launcher:
+    """A launcher that describes the world in torch.distributed's variables (torchrun and its kind)."""
+    world = _int(env, "WORLD_SIZE", 1)
+    per_node = _int(env, "LOCAL_WORLD_SIZE", world)
+    return Launcher(name, world, per_node, max(1, world // per_node), _int(env, "LOCAL_RANK", 0))
+
+
 def detect_launcher(env: Mapping[str, str] | None = None) -> Launcher:
     """The launcher of this process, checked in Lightning's order (torchrun first: it also runs inside SLURM)."""
     env = os.environ if env is None else env
     if "TORCHELASTIC_RUN_ID" in env:
-        world = _int(env, "WORLD_SIZE", 1)
-        per_node = _int(env, "LOCAL_WORLD_SIZE", world)
-        return Launcher("torchrun", world, per_node, max(1, world // per_node), _int(env, "LOCAL_RANK", 0))
+        return _world_size_launcher("torchrun", env)
     if _srun(env):
         world = _int(env, "SLURM_NTASKS", 1)
         nodes = _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
         per_node = _int(env, "SLURM_NTASKS_PER_NODE", max(1, world // nodes))
         return Launcher("srun", world, per_node, nodes, _int(env, "SLURM_LOCALID", 0))
     if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:
-        world = _int(env, "WORLD_SIZE", 1)
-        per_node = _int(env, "LOCAL_WORLD_SIZE", world)
-        return Launcher("WORLD_SIZE/RANK launcher", world, per_node, max(1, world // per_node), _int(env, "LOCAL_RANK", 0))
+        return _world_size_launcher("WORLD_SIZE/RANK launcher", env)
     # one process (or a rank Lightning started: its LOCAL_RANK / WORLD_SIZE follow the same config)
     return Launcher("python", 1, 1, 1, 0)
 
