@@ -41,6 +41,21 @@ struct FwdParams {
     float scale_softmax_log2;  // scale_softmax * kLog2eDouble: softmax runs on exp2
 
     bool is_causal;  // bottom-right aligned: query i sees keys j <= i + (seqlen_k - seqlen_q)
+    // Sliding (local) window, FlashAttention's semantics: after the bottom-right alignment above, query i sees key
+    // j iff i + (seqlen_k - seqlen_q) - window_left <= j <= i + (seqlen_k - seqlen_q) + window_right, where -1
+    // is unbounded; is_causal is window_right = 0. Key blocks wholly outside the window are never visited.
+    int window_left;
+    int window_right;
+
+    // Variable-length (packed) sequences, FlashAttention's varlen layout; nullptr is the dense layout. Otherwise
+    // q and o are (total_q, Hq, D), k and v (total_k, Hk, D) (batch strides 0, unused); sequence s of b holds
+    // rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of q and [cu_seqlens_k[s], cu_seqlens_k[s + 1]) of k and v,
+    // and every bound above (causal alignment, window, masking) applies per sequence with its own lengths;
+    // seqlen_q and seqlen_k hold max_seqlen_q and max_seqlen_k (they size the grids); lse is (Hq, total_q).
+    const int* cu_seqlens_q;  // (b + 1,) int32, non-decreasing, cu_seqlens_q[0] = 0, cu_seqlens_q[b] = total_q
+    const int* cu_seqlens_k;  // (b + 1,) int32, likewise
+    int total_q;
+    int total_k;
     int causal_group_heads;  // causal forward only: (batch, head) pairs per group of its block order (causal_order.h)
     // The device's limits, from its cached properties (flash_api.cpp): the Hopper forward's persistent grid
     // (fwd_tile_scheduler.h) and the sm80 configs' fallbacks where a GPU's shared memory is smaller (the launches).
@@ -66,10 +81,12 @@ struct BwdParams : public FwdParams {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
     // Workspaces allocated by the caller.
-    float* delta_ptr;     // (B, Hq, Tq): rowsum(dO * O), Alg. 2 line 4
+    float* delta_ptr;     // (B, Hq, Tq): rowsum(dO * O), Alg. 2 line 4; varlen: (Hq, total_q)
     float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, d_rounded) fp32, zeroed by the preprocess kernel; the Hopper
                           // kernel's rows hold their 16-byte chunks swizzled (dq_accum_layout.h, dq_accum_chunk)
     int64_t dq_accum_split_stride;  // elements between splits = B * Hq * Tq * d_rounded
+    // varlen: dq_accum is (num_splits, Hq, dq_accum_rows(total_q, b), d_rounded) and sequence s's rows begin at
+    // dq_accum_row0(cu_seqlens_q[s], s), so whole kBlockM-row tiles of one sequence never touch another's rows.
 
     // Non-deterministic: one thread block per K/V block, dQ accumulated with fp32 atomics (sm80 kernel) or the
     // TMA unit's bulk reduce-adds (Hopper kernel) (num_splits=1).
@@ -79,6 +96,22 @@ struct BwdParams : public FwdParams {
     int num_splits;
     bool deterministic;
 };
+
+// varlen dq_accum rows: each sequence starts on a multiple of kDqAccumRowPad (a multiple of every kernel's kBlockM)
+// and owns at least ceil(len / kBlockM) * kBlockM rows (FlashAttention-3's padded offsets).
+constexpr int kDqAccumRowPad = 128;
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+constexpr inline int64_t dq_accum_row0(int cu_seqlen, int seq) {
+    return (static_cast<int64_t>(cu_seqlen) + static_cast<int64_t>(seq) * kDqAccumRowPad) / kDqAccumRowPad * kDqAccumRowPad;
+}
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+constexpr inline int64_t dq_accum_rows(int total_q, int b) {
+    return dq_accum_row0(total_q, b);  // sequence b - 1's last tile ends at or before it
+}
 
 #ifdef __CUDACC__
 // Where a forward tile writes: O from row row0 of (batch, head), and those rows' LSE ((B, Hq, Tq), fp32). The
