@@ -4,6 +4,9 @@
 #
 #   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
 #   bash bench/device_run.sh kernel [kernel.py args] # make bench-kernel, one part per (head dim, causal)
+#   bash bench/device_run.sh varlen [kernel.py --varlen args]  # document-masked / sliding-window grid, one part per
+#                                                    # head dim; run the docs and window cases as separate stages:
+#                                                    # `varlen --cases corpus lognormal fixed1k fixed2k fixed4k`, `varlen --cases window`
 #   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #
@@ -17,7 +20,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
-stage=${1:?usage: bench/device_run.sh check|kernel|e2e|multi [args]}
+stage=${1:?usage: bench/device_run.sh check|kernel|varlen|e2e|multi [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -76,6 +79,14 @@ kernel)
         done
     done
     ;;
+varlen)
+    build_quietly
+    run=$(ls "$OUT"/varlen_*.log 2>/dev/null | wc -l)  # one log per part when stages are chained
+    for hd in 128 64; do
+        step 270 "varlen_${run}_hd${hd}" $PY bench/kernel.py --varlen --hdims $hd "$@"
+        grep -E "^\||^- |^note|^skip" "$OUT/varlen_${run}_hd${hd}.log" | tail -n 40
+    done
+    ;;
 e2e)
     build_quietly
     data_quietly
@@ -94,7 +105,7 @@ multi)
     grep -E "^\[loss\]" "$OUT/loss_curves.log"
     ;;
 *)
-    echo "unknown stage $stage (check | kernel | e2e | multi)" >&2
+    echo "unknown stage $stage (check | kernel | varlen | e2e | multi)" >&2
     exit 2
     ;;
 esac

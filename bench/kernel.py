@@ -24,10 +24,13 @@ OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
     python bench/kernel.py --hdims 128 --causal 1 --seqlens 2048 --methods ours sdpa_cudnn --rounds 5 --rep-ms 30
                                                              # in turn, 5 times per mode: ratios that clock drift spares
 
+    python bench/kernel.py --varlen                          # document-masked (varlen) and sliding-window grid
+    python bench/kernel.py --varlen --help                   # its own options (bench/kernel_varlen.py)
+
 Parts merge into bench/results/kernel.json (one entry per device, inputs, method, hd, causal, T, mode), so a
 benchmark can be run in pieces of a few minutes each. The figure goes to
 bench/results/kernel_<device>.png, or kernel_<device>_bthd.png for --inputs bthd (rows: fwd+bwd, fwd, bwd;
-one panel per hd x causal).
+one panel per hd x causal). --varlen writes bench/results/kernel_varlen.json and kernel_varlen_<device>.png.
 """
 
 from __future__ import annotations
@@ -288,9 +291,13 @@ def _set_up(group: list[str], base0: dict, args, dtype) -> tuple[list, list[dict
     return live, failed
 
 
-def _time_mode(mode: str, live: list, args) -> list[dict]:
+def _dense_flops(row: dict, mode: str) -> float:
+    return attention_flops(row["batch"], row["heads"], row["seqlen"], row["hd"], row["causal"], mode)
+
+
+def _time_mode(mode: str, live: list, args, flops=_dense_flops) -> list[dict]:
     """One row per live method: each timed args.rounds times in turn (a method that fails stops there); ms is the
-    median of its rounds."""
+    median of its rounds, TFLOP/s flops(row, mode) over it."""
     rows = [dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="") for base, *_ in live]
     times = [[] for _ in live]
     for _ in range(args.rounds):
@@ -304,9 +311,9 @@ def _time_mode(mode: str, live: list, args) -> list[dict]:
                 row["peak_mem_gib"] = max(peak, row["peak_mem_gib"] or 0.0)
             except torch.OutOfMemoryError:
                 row["status"] = "OOM"
-            except RuntimeError as e:
+            except Exception as e:  # RuntimeError mostly; a compiler's or another library's own error types too
                 row["status"] = "n/a" if _is_unsupported(e) else "error"
-                row["note"] = str(e).splitlines()[0][:200]
+                row["note"] = (str(e).splitlines() or [type(e).__name__])[0][:200]
             for t in tensors[:3]:
                 t.grad = None
             _free()
@@ -315,8 +322,7 @@ def _time_mode(mode: str, live: list, args) -> list[dict]:
             row["peak_mem_gib"] = None
             continue
         row["ms"] = statistics.median(ms_list)
-        flops = attention_flops(row["batch"], row["heads"], row["seqlen"], row["hd"], row["causal"], mode)
-        row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        row["tflops"] = flops(row, mode) / (row["ms"] * 1e-3) / 1e12
         if args.rounds > 1:
             row["ms_rounds"] = ms_list
     return rows
@@ -520,6 +526,8 @@ def parse_args(argv=None):
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the parts merge into")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the table and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
+    p.add_argument("--varlen", action="store_true",
+                   help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
     args.causal = [bool(c) for c in args.causal]
     if args.rounds < 1:
@@ -543,6 +551,11 @@ def report(data: dict, devices: list[str], results_path: Path, inputs: str = "na
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--varlen" in argv:  # the document-masked / sliding-window grid, with its own options
+        from bench import kernel_varlen
+
+        return kernel_varlen.main([a for a in argv if a != "--varlen"])
     args = parse_args(argv)
     if args.plot_only:
         data = load(args.results)

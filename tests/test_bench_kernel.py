@@ -1,12 +1,18 @@
 """bench/kernel.py's CPU-side parts: FLOP convention, result merging, the table's ratio columns, the figure,
-and the refusal to benchmark without a GPU. (The timing itself only runs on the GPU machine.)"""
+and the refusal to benchmark without a GPU; for --varlen also the document-length distributions, their
+packing, the FlexAttention masks and the skip paths. (The timing itself only runs on the GPU machine.)"""
 
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+from bench import doc_lengths as dl
+from bench import kernel_varlen as kv
 
 spec = importlib.util.spec_from_file_location("bench_kernel", Path(__file__).resolve().parents[1] / "bench" / "kernel.py")
 bench = importlib.util.module_from_spec(spec)
@@ -173,3 +179,241 @@ def test_fa4_skipped_with_its_reason_when_it_does_not_import():
         pytest.skip("flash_attn.cute imports here: the method runs instead of being skipped")
     with pytest.raises(bench.BackendUnsupported, match=r"flash_attn\.cute \(FlashAttention-4\) does not import"):
         bench.make_method("fa4", 1, 2, 128, 64, True, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ --varlen: document-masked and sliding-window grid
+
+def test_document_lengths_of_a_shard_and_their_packing():
+    # Each document is its tokens then <|endoftext|> (id 0 here); tokens after the last separator are dropped.
+    assert dl.lengths_from_shard(np.array([5, 6, 0, 7, 0, 0, 8, 9], dtype=np.uint16), eot=0).tolist() == [3, 2, 1]
+    assert dl.sample_lengths("fixed2k", 16384) == [2048] * 8
+    assert dl.sample_lengths("fixed4k", 5000) == [4096, 904]  # the last document cut to fit
+    logn = dl.sample_lengths("lognormal", 16384)
+    assert sum(logn) == 16384 and min(logn) >= 1 and logn == dl.sample_lengths("lognormal", 16384)
+    assert logn != dl.sample_lengths("lognormal", 16384, seed=1)
+    many = dl.sample_lengths("lognormal", 5_000_000)[:-1]
+    assert 0.9 * dl.LOGNORMAL_MEDIAN < np.median(many) < 1.1 * dl.LOGNORMAL_MEDIAN
+    pool = np.array([100, 200, 300, 5000])
+    drawn = dl.sample_lengths("corpus", 4096, pool)
+    assert sum(drawn) == 4096 and set(drawn[:-1]) <= {100, 200, 300, 5000}
+    assert drawn == dl.sample_lengths("corpus", 4096, pool[::-1].copy())  # the draw ignores the pool's order
+    assert dl.cu_seqlens([3, 0, 2]).tolist() == [0, 3, 3, 5] and dl.cu_seqlens([3, 0, 2]).dtype == np.int32
+    assert dl.document_ids([2, 0, 1]).tolist() == [0, 0, 2]
+    assert dl.summary([1024, 3072]) == {"docs": 2, "max_doc": 3072, "token_mean_doc": (1024**2 + 3072**2) / 4096}
+    with pytest.raises(ValueError, match="unknown document-length distribution 'zipf'"):
+        dl.sample_lengths("zipf", 16)
+    with pytest.raises(ValueError, match="needs the corpus lengths"):
+        dl.sample_lengths("corpus", 16)
+    with pytest.raises(ValueError, match="total tokens must be >= 1"):
+        dl.sample_lengths("fixed1k", 0)
+
+
+def test_corpus_lengths_read_from_a_prepared_cache(tmp_path):
+    from data.config import PrepareConfig
+    from data.prepare import prepare, split_documents
+    from data.tokenizer import load_tokenizer
+
+    docs = [f"def f{i}():\n    return {i} * x\n" * (1 + i % 5) for i in range(12)]
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, doc in enumerate(docs):
+        (folder / f"doc{i:02d}.txt").write_text(doc)
+    cfg = PrepareConfig(source=f"files:{folder}", vocab_size=300, val_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    assert dl.corpus_lengths_from_cache(cfg=cfg) is None  # not prepared yet
+    path = prepare(cfg)
+    lengths, info = dl.corpus_lengths_from_cache(cfg=cfg)
+    tokenizer = load_tokenizer(path / "tokenizer.json")
+    train, _ = split_documents(len(docs), 0.25, 0)
+    assert lengths.tolist() == [len(tokenizer.encode(docs[i]).ids) + 1 for i in train]  # + <|endoftext|>
+    meta = json.loads((path / "meta.json").read_text())
+    assert info["documents"] == meta["documents"]["train"] and info["tokens"] == meta["tokens"]["train"]
+    assert info["from"] == f"prepared cache {path}"
+
+
+def test_corpus_lengths_fall_back_to_the_committed_file(tmp_path, monkeypatch):
+    said = []
+    lengths, info = dl.corpus_lengths(tmp_path / "no-cache", say=said.append)
+    committed = json.loads(dl.COMMITTED.read_text())
+    assert lengths.tolist() == committed["lengths"] and len(lengths) == committed["documents"] > 1000
+    assert sum(committed["lengths"]) == committed["tokens"] and committed["vocab_size"] == 50257
+    assert info["from"] == f"committed {dl.COMMITTED.name}"
+    assert len(said) == 1 and "make data" in said[0] and str(tmp_path / "no-cache") in said[0]
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"bad\.json.*bench/doc_lengths\.py --write"):
+        dl.corpus_lengths(tmp_path / "no-cache", committed=tmp_path / "bad.json", say=said.append)
+    # --write: the cache's lengths, sorted, with what produced them; refused without a prepared cache
+    with pytest.raises(SystemExit, match="run `make data` first"):
+        dl.write_committed(tmp_path / "no-cache", tmp_path / "out.json")
+    found = (np.array([7, 3, 5]), {"from": "prepared cache x", "cache": "x", "python": "3.12.0", "documents": 3, "tokens": 15})
+    monkeypatch.setattr(dl, "corpus_lengths_from_cache", lambda cache_dir=None, cfg=None: found)
+    dl.write_committed(tmp_path, tmp_path / "out.json")
+    lengths, info = dl.load_committed(tmp_path / "out.json")
+    assert lengths.tolist() == [3, 5, 7] and info["python"] == "3.12.0" and info["from"] == "committed out.json"
+
+
+def test_varlen_flops_count_the_visible_pairs_only():
+    # A packed call of fixed-length documents counts what dense causal attention on (B, T) counts (FA2 convention).
+    H, D = 16, 128
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        assert kv.pair_flops(kv.visible_pairs([2048] * 8), H, D, mode) == bench.attention_flops(8, H, 2048, D, True, mode)
+    assert kv.visible_pairs([100, 50]) == (100**2 + 50**2) / 2
+    assert kv.visible_pairs([4096], window=4096) == kv.visible_pairs([4096], window=99999) == 4096**2 / 2
+    # A window w < T: the band's area, w T - w^2 / 2, within 1% of the exact count of sum_i (min(i, w) + 1).
+    T, w = 4096, 256
+    exact = sum(min(i, w) + 1 for i in range(T))
+    assert kv.visible_pairs([T], w) == w * T - w * w / 2 and abs(kv.visible_pairs([T], w) / exact - 1) < 0.01
+    assert kv.visible_pairs([8192] * 2, 1024) < kv.visible_pairs([8192] * 2, 4096) < kv.visible_pairs([8192] * 2)
+    # The dense baseline: the power of two nearest the token-weighted mean document length, the same tokens.
+    assert kv.dense_shape([2048] * 8, 16384) == (8, 2048) and kv.dense_shape([16384], 16384) == (1, 16384)
+    assert kv.dense_shape([1700, 2500, 1000], 16384) == (8, 2048) and kv.dense_shape([3] * 100, 16384) == (128, 128)
+
+
+def test_varlen_cases_cover_the_distributions_and_windows():
+    args = kv.parse_args([])
+    cases = kv.make_cases(args, np.array([300, 1500, 9000]))
+    docs = [c for c in cases if c.grid == "docs"]
+    windows = [c for c in cases if c.grid == "window"]
+    assert len(docs) == len(kv.DOC_CASES) * 2 and len(windows) == 2 * 2 * 4  # per hd; T 8k/16k x causal + 3 windows
+    assert all(c.tokens == 16384 and c.heads * c.hd == 2048 for c in cases)
+    assert {(c.name, c.window) for c in windows if c.hd == 64} == {
+        (f"T{t}", w) for t in (8192, 16384) for w in (-1, 256, 1024, 4096)}
+    assert next(c for c in windows if c.name == "T8192").lengths == (8192, 8192)
+    assert next(c for c in docs if c.name == "fixed1k").lengths == (1024,) * 16
+    assert kv.methods_of(windows[0], kv.METHODS) == ["ours", "flex", "fa4"]
+    assert kv.methods_of(docs[0], kv.METHODS) == kv.METHODS
+    one = kv.make_cases(kv.parse_args(["--cases", "fixed2k", "--hdims", "128"]))
+    assert [(c.name, c.hd, c.heads) for c in one] == [("fixed2k", 128, 16)]
+    for bad in (["--windows", "-1"], ["--window-seqlens", "3000"], ["--rounds", "0"], ["--hdims", "0"]):
+        with pytest.raises(SystemExit):
+            kv.parse_args(bad)
+
+
+def test_flex_masks_match_per_document_and_windowed_attention():
+    # Eager flex_attention on the CPU (the benchmark compiles it on the GPU): the block masks say what the kernels do.
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    H, D = 2, 16
+    case = kv.Case("docs", "mixed", D, H, (100, 1, 50, 105))
+    q, k, v = (torch.randn(1, H, case.tokens, D) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        o = flex_attention(q, k, v, block_mask=kv.flex_block_mask(case, "cpu"))
+    cu = dl.cu_seqlens(case.lengths)
+    want = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                      for a, b in zip(cu[:-1], cu[1:])], dim=2)  # fmt: skip
+    torch.testing.assert_close(o, want)
+    # Documents and a window together: the packed sequence's own mask, spelled out.
+    windowed = kv.Case("docs", "mixed", D, H, case.lengths, window=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = flex_attention(q, k, v, block_mask=kv.flex_block_mask(windowed, "cpu"))
+    i, doc = torch.arange(case.tokens), torch.from_numpy(dl.document_ids(case.lengths))
+    visible = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= 8) & (doc[:, None] == doc[None, :])
+    torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k, v, attn_mask=visible))
+    # Sliding window (w, 0): query i sees keys i - w ... i, in each of the B rows.
+    case = kv.Case("window", "T256", D, H, (256, 256), window=32)
+    q, k, v = (torch.randn(2, H, 256, D) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = flex_attention(q, k, v, block_mask=kv.flex_block_mask(case, "cpu"))
+    i = torch.arange(256)
+    visible = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= 32)
+    assert int(visible.sum()) == sum(min(t, 32) + 1 for t in range(256))
+    torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k, v, attn_mask=visible))
+
+
+def test_varlen_methods_that_cannot_run_say_why(monkeypatch):
+    import flash_kernel
+
+    case = kv.Case("window", "T8192", 128, 16, (8192, 8192), window=256)
+    if not torch.cuda.is_available():
+        for method in ("ours", "ours_dense"):
+            with pytest.raises(kv.dense.BackendUnsupported, match="flash_kernel unavailable"):
+                kv.make_method(method, kv.Case("docs", "fixed2k", 128, 16, (2048,) * 8), torch.bfloat16)
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:
+        with pytest.raises(kv.dense.BackendUnsupported, match=r"flash_attn\.cute \(FlashAttention-4\) does not import"):
+            kv.make_method("fa4", case, torch.bfloat16)
+    # A kernel built before the varlen function or the window argument existed: skipped, saying which is missing.
+    monkeypatch.setattr(flash_kernel, "is_available", lambda *a, **k: True)
+    monkeypatch.delattr(flash_kernel, "flash_attn_varlen_func", raising=False)
+    with pytest.raises(kv.dense.BackendUnsupported, match="flash_kernel has no flash_attn_varlen_func"):
+        kv.make_method("ours", kv.Case("docs", "fixed2k", 128, 16, (2048,) * 8), torch.bfloat16)
+    monkeypatch.setattr(flash_kernel, "flash_attn_func", lambda q, k, v, causal=True: q)
+    with pytest.raises(kv.dense.BackendUnsupported, match="has no window_size"):
+        kv.make_method("ours", case, torch.bfloat16)
+    with pytest.raises(ValueError, match="no window case"):
+        kv.make_method("ours_dense", case, torch.bfloat16)
+
+
+def _fake_varlen_run(monkeypatch, argv):
+    """kernel_varlen.benchmark with its methods and timer faked: ms by method (window rows scale with the
+    visible pairs), fa4 skipped. Returns the rows and the order the timer ran in."""
+    calls = []
+    base_ms = {"ours": 1.0, "ours_dense": 0.95, "flex": 1.6}
+
+    def fake_make_method(method, case, dtype, device=None):
+        if method == "fa4":
+            raise kv.dense.BackendUnsupported("flash_attn.cute (FlashAttention-4) does not import: fake")
+        ms = base_ms[method] * kv.visible_pairs(case.lengths, case.window) / kv.visible_pairs(case.lengths)
+        return tuple(torch.zeros(1) for _ in range(4)), (method, ms), contextlib.nullcontext, {"layout": "fake"}
+
+    def fake_run_mode(mode, tensors, fn, warmup_ms, rep_ms):
+        calls.append((fn[0], mode))
+        return fn[1] * (3.5 if mode == "fwd_bwd" else 1.0), 0.25
+
+    monkeypatch.setattr(kv, "make_method", fake_make_method)
+    monkeypatch.setattr(kv.dense, "run_mode", fake_run_mode)
+    monkeypatch.setattr(kv.dense, "_free", lambda: None)  # no CUDA cache to empty; gc per row is slow here
+    rows = kv.benchmark(kv.parse_args(argv), DEVICE)
+    return rows, calls
+
+
+def test_varlen_grid_rows_table_and_figure(monkeypatch, tmp_path, capsys):
+    rows, calls = _fake_varlen_run(monkeypatch, ["--cases", "fixed2k", "window", "--hdims", "128", "--windows", "256",
+                                                 "--window-seqlens", "8192", "--rounds", "2"])
+    # In turn, round after round, per case and mode: docs (ours, ours_dense, flex), then window causal, window 256.
+    assert calls[:6] == [("ours", "fwd"), ("ours_dense", "fwd"), ("flex", "fwd")] * 2
+    get = {(r["grid"], r["window"], r["method"], r["mode"]): r for r in rows}
+    assert get[("docs", -1, "fa4", "fwd")]["status"] == "skipped" and "fake" in get[("docs", -1, "fa4", "fwd")]["note"]
+    ours = get[("docs", -1, "ours", "fwd_bwd")]
+    assert ours["status"] == "ok" and ours["ms"] == 3.5 and ours["docs"] == 8 and ours["max_doc"] == 2048
+    assert ours["tflops"] == pytest.approx(bench.attention_flops(8, 16, 2048, 128, True, "fwd_bwd") / 3.5e-3 / 1e12)
+    assert get[("docs", -1, "ours_dense", "fwd")]["pairs"] == ours["pairs"]  # fixed2k: the same work as (8, 2k)
+    w = get[("window", 256, "ours", "fwd")]
+    assert w["pairs"] == 2 * (256 * 8192 - 256**2 / 2) and w["ms"] < get[("window", -1, "ours", "fwd")]["ms"]
+    assert w["tflops"] == pytest.approx(get[("window", -1, "ours", "fwd")]["tflops"])  # time tracks the visible work
+    table = kv.format_table(rows, DEVICE)
+    line = next(ln for ln in table.splitlines() if ln.startswith("| fixed2k |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:4] == ["fixed2k", "8", "2048", "2048"] and cells[7] == "skipped" and cells[8] == "8 x 2k"
+    assert cells[-3:] == ["0.95", "1.60", "-"]  # ours/dense = 0.95 ms / 1 ms; ours/flex; no FA4
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 8k | 256 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5] == f"{w['ms']:.3f}" and cells[-3:] == [f"{w['ms'] / 1.0:.2f}", "1.60", "-"]
+    assert "sliding window, forward + backward, hd 128" in table and "- fa4: flash_attn.cute" in table
+    # Results merge per (device, grid, case, window, method, hd, mode) and redraw without a GPU.
+    newer = dict(ours, tflops=1.0)
+    merged = kv.merge(rows, [newer])
+    assert len(merged) == len(rows) and newer in merged
+    path = tmp_path / "kernel_varlen.json"
+    bench.save(path, {"environment": {DEVICE: {"corpus_lengths": "committed"}}, "results": rows})
+    assert bench.main(["--varlen", "--plot-only", "--results", str(path)]) == 0
+    png = tmp_path / "kernel_varlen_nvidia_fake_gpu.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "ours/flex" in out and "corpus_lengths committed" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_varlen_refuses_to_benchmark_on_cpu(tmp_path):
+    with pytest.raises(SystemExit, match=r"--varlen: needs a CUDA GPU"):
+        bench.main(["--varlen", "--results", str(tmp_path / "kernel_varlen.json")])
+    with pytest.raises(SystemExit, match="no results"):
+        bench.main(["--varlen", "--plot-only", "--results", str(tmp_path / "kernel_varlen.json")])
+    assert not (tmp_path / "kernel_varlen.json").exists()
