@@ -61,6 +61,7 @@ def build_module(cfg: DictConfig, vocab_size: int) -> LitGPT:
         weight_decay=cfg.optim.weight_decay,
         grad_clip=cfg.optim.grad_clip,
         compile=cfg.compile,
+        loss=cfg.loss,
     )
 
 

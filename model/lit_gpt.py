@@ -22,7 +22,7 @@ from model.attention import check_attention_runs_on
 from model.checkpoint import check_model_matches
 from model.flops import flops_per_token
 from model.gpt import GPT, GPTConfig
-from model.loss import next_token_loss
+from model.loss import check_loss, next_token_loss
 
 
 class NonFiniteLossError(RuntimeError):
@@ -57,14 +57,16 @@ class LitGPT(L.LightningModule):
         weight_decay: float = 0.1,
         grad_clip: float | None = 1.0,
         compile: bool = False,
+        loss: str = "torch",
     ) -> None:
         super().__init__()
+        check_loss(loss)
         self.save_hyperparameters(ignore=["optimizer"])
         self.cfg = GPTConfig(**model)
         self.model = GPT(self.cfg)
         self.optimizer_factory = optimizer or partial(torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95))
         self.compile = compile
-        self.loss_fn = next_token_loss  # compiled in configure_model when compile=true
+        self.loss_fn = next_token_loss  # compiled in configure_model when compile=true and loss=torch
         # A device-side "loss was ever non-finite" flag: checking it costs a host sync, so it is read only
         # at logging intervals and before every checkpoint save, never every step.
         self.register_buffer("_nonfinite", torch.zeros((), dtype=torch.bool), persistent=False)
@@ -81,7 +83,8 @@ class LitGPT(L.LightningModule):
         # kernels 8.8 ms per step eager, 2.5 ms compiled; bench/profile_step.py).
         if not self.compile or getattr(self, "_compiled", False):
             return
-        self.loss_fn = torch.compile(next_token_loss)
+        if self.hparams.loss == "torch":  # loss=fused is its own kernels, compiled or not (model/cross_entropy.py)
+            self.loss_fn = torch.compile(next_token_loss)
         if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
             for block in self.model.blocks:
                 block.compile()
@@ -98,7 +101,7 @@ class LitGPT(L.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T) each
-        return self.loss_fn(self.model(x), y)
+        return self.loss_fn(self.model(x), y, self.hparams.loss)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

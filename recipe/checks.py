@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from model.attention import check_attention
+from model.loss import check_loss
 from recipe.launch import Launcher, detect_launcher, visible_gpus
 
 
@@ -24,6 +25,7 @@ class ConfigError(ValueError):
 def validate(cfg: DictConfig, launcher: Launcher | None = None) -> None:
     try:
         check_attention(cfg.attention.name, _accelerator(cfg.trainer), str(cfg.trainer.precision))
+        check_loss(cfg.loss)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     # A file, or a directory: FSDP's sharded checkpoints (state_dict_type=sharded) are one file per rank.

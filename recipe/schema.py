@@ -82,6 +82,7 @@ class TrainSchema:
     seq_len: int = 1024
     seed: int = 1337
     compile: bool = False
+    loss: str = "torch"
     ckpt_path: Optional[str] = None
     peak_tflops: Optional[float] = None
     global_batch_tokens: Optional[int] = None
