@@ -16,6 +16,7 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --compile both --modes pipeline
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss fused  # loss=fused rows
 
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
 subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
@@ -44,7 +45,7 @@ from bench.common import can_plot, device_slug, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig, packs_qkv  # noqa: E402
-from model.loss import next_token_loss  # noqa: E402
+from model.loss import LOSSES, next_token_loss  # noqa: E402
 from train import TrainingOutOfMemory, train  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -55,9 +56,10 @@ FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7
 
 
 def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int,
-               trainer: str = "gpu") -> list[str]:
+               trainer: str = "gpu", loss: str = "torch") -> list[str]:
     return [
         f"model={model}",
+        f"loss={loss}",
         f"attention={attention}",
         f"seq_len={seq_len}",
         f"compile={str(compile).lower()}",
@@ -101,10 +103,11 @@ def _check_steps(warmup: int, steps: int) -> None:
         raise SystemExit("--steps must be a multiple of --warmup (the perf callback logs every --warmup steps)")
 
 
-def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
+                 loss: str = "torch") -> dict:
     """The real pipeline on one GPU, in this process; returns the perf/* rates over the last `steps` steps."""
     _check_steps(warmup, steps)
-    cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup),
+    cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, loss=loss),
                     f"output_dir={RESULTS / 'runs'}"])
     cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
     return _rates(train(cfg))
@@ -126,34 +129,38 @@ def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> d
 
 
 def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-                       gpus: int, strategy: str) -> dict:
+                       gpus: int, strategy: str, loss: str = "torch") -> dict:
     """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml."""
     _check_steps(warmup, steps)
-    run_dir = RESULTS / "runs" / f"{model}_{batch}x{seq_len}_{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
-    overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy),
+    run_dir = RESULTS / "runs" / (f"{model}_{batch}x{seq_len}_{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
+                                  f"{'_fused_loss' if loss == 'fused' else ''}")
+    overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy,
+                             loss=loss),
                  f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
     return _rates(launch_train(overrides, run_dir))
 
 
-def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, **model_overrides):
-    """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (compiled
-    with the model when compile), fused AdamW, clipping. Returns (step, GPTConfig); model_overrides set
-    GPTConfig fields (e.g. fp32_residual=True)."""
+def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
+              **model_overrides):
+    """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
+    with the model when compile and loss=torch, as LitGPT), fused AdamW, clipping. Returns (step, GPTConfig);
+    model_overrides set GPTConfig fields (e.g. fp32_residual=True)."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
     gpt = GPT(cfg).cuda()
     loss_fn = next_token_loss
     if compile:
         gpt.compile()
-        loss_fn = torch.compile(next_token_loss)
+        if loss == "torch":
+            loss_fn = torch.compile(next_token_loss)
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device="cuda")
     inp, tgt = x[:, :-1], x[:, 1:]
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
-            loss = loss_fn(gpt(inp), tgt)
-        loss.backward()
+            value = loss_fn(gpt(inp), tgt, loss)
+        value.backward()
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -161,9 +168,10 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
     return step, cfg
 
 
-def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int) -> dict:
+def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
+             loss: str = "torch") -> dict:
     """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
-    step, cfg = bare_step(model, seq_len, batch, attention, compile)
+    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss)
     torch.cuda.reset_peak_memory_stats()
     dt = seconds_per_call(step, warmup, steps)
     tokens_per_s = batch * seq_len / dt
@@ -185,13 +193,13 @@ def _free_cuda() -> None:
 
 
 def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             gpus: int = 1, strategy: str = "single") -> dict:
+             gpus: int = 1, strategy: str = "single", loss: str = "torch") -> dict:
     try:
         if gpus > 1:
-            out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy)
+            out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss)
         else:
             fn = run_pipeline if mode == "pipeline" else run_bare
-            out = fn(model, seq_len, batch, attention, compile, warmup, steps)
+            out = fn(model, seq_len, batch, attention, compile, warmup, steps, loss)
         out["status"] = "ok"
     except (torch.OutOfMemoryError, TrainingOutOfMemory):
         out = {"status": "OOM"}
@@ -213,10 +221,12 @@ def _attention(r: dict) -> str:
     """attention=flash rows carry the kernel version they ran (flash_kernel.KERNEL_VERSION): 'flash v5';
     rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual', and
     rows whose blocks passed the fused qkv whole (model/attention.py's qkv-packed form): '..., qkv packed'.
-    Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views."""
+    Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views. Rows of
+    loss=fused (model/cross_entropy.py) end in ', fused loss'."""
     name = f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
     name = f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
-    return f"{name}, qkv packed" if r.get("qkv") == "packed" else name
+    name = f"{name}, qkv packed" if r.get("qkv") == "packed" else name
+    return f"{name}, fused loss" if r.get("loss") == "fused" else name
 
 
 def residual_dtype(model: str) -> str:
@@ -335,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
+    ap.add_argument("--loss", choices=LOSSES, default="torch", help="the loss key: torch or fused (model/cross_entropy.py)")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
@@ -357,9 +368,9 @@ def main(argv: list[str] | None = None) -> None:
             B = max(1, args.tokens_per_step // T)
             for mode in args.modes if gpus == 1 else ["pipeline"]:  # the bare loop is single-GPU
                 t0 = time.perf_counter()
-                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy)
+                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                         gpus=gpus, strategy=strategy, residual=residual_dtype(model),
+                         gpus=gpus, strategy=strategy, residual=residual_dtype(model), loss=args.loss,
                          qkv=qkv_layout(model, attn),
                          **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
                 new.append(r)

@@ -380,3 +380,53 @@ def test_gpt_step_with_fused_loss_matches_torch_loss(compile):
         err = (grads["fused"][name] - ref).norm() / ref.norm()
         assert err < 1e-2, f"{name}: |grad fused - grad torch| / |grad torch| = {err:.3g}"
 
+
+# ------------------------------------------------------------------------------------ the benchmarks' rows
+def _load_bench(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_rows_of_the_fused_loss_are_their_own_case():
+    e2e = _load_bench("e2e")
+    row = {"device": "GPU X", "mode": "pipeline", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2,
+           "attention": "flash", "compile": False, "status": "ok", "tokens_per_s": 1.0, "tflops_per_gpu": 1.0}
+    fused = {**row, "loss": "fused"}
+    assert e2e._attention(fused) == "flash, fused loss" and e2e._attention({**row, "loss": "torch"}) == "flash"
+    assert e2e._key(row) != e2e._key(fused)
+    assert "loss=fused" in e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 10, 5, loss="fused")
+
+
+def test_profile_counts_the_fused_kernels_as_cross_entropy():
+    profile_step = _load_bench("profile_step")
+    assert profile_step.category("cross_entropy_fwd_kernel") == "cross-entropy"
+    assert profile_step.category("cross_entropy_bwd_kernel") == "cross-entropy"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cross_entropy_bench_merges_rows_and_refuses_without_gpu(tmp_path):
+    bench = _load_bench("cross_entropy")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        bench.main(["--out", str(tmp_path / "ce.json")])
+    row = {"device": "GPU X", "method": "fused", "n": 16384, "vocab": 50304, "dtype": "bf16", "fwd_ms": 0.6,
+           "fwd_bwd_ms": 1.9, "peak_beyond_logits_gib": 0.0, "logits_gib": 1.5}
+    bench.merge(tmp_path / "ce.json", [row, {**row, "method": "torch fp32 (eager)", "fwd_bwd_ms": 9.0}])
+    rows = bench.merge(tmp_path / "ce.json", [{**row, "fwd_bwd_ms": 1.8}])
+    assert len(rows) == 2 and {r["fwd_bwd_ms"] for r in rows} == {1.8, 9.0}
+    assert "| GPU X | 16384 | 50304 | bf16 | fused | 0.60 | 1.80 | 0.00 |" in bench.table(rows)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cross_entropy_bench_runs_on_gpu(tmp_path):
+    """The benchmark at a small N: every method measured, the in-place fused loss with no gradient buffer."""
+    bench = _load_bench("cross_entropy")
+    bench.main(["--tokens", "1024", "--vocab", "50304", "--out", str(tmp_path / "ce.json")])
+    import json
+
+    rows = {r["method"]: r for r in json.loads((tmp_path / "ce.json").read_text())}
+    assert set(rows) == set(bench.METHODS)
+    assert rows["fused, in-place backward"]["peak_beyond_logits_gib"] < 0.01 * rows["fused"]["logits_gib"]
+    assert all(r["fwd_bwd_ms"] > 0 for r in rows.values())
