@@ -18,11 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Logits per loop step of the forward: 16k walks a 50k vocabulary in 4 steps of 32 float32 registers a thread
-# at 16 warps. The backward's 4k blocks give N · 13 programs at V = 50304, enough to fill every SM.
-FWD_BLOCK_V, FWD_MAX_WARPS = 16384, 16
-BWD_BLOCK_V, BWD_MAX_WARPS = 4096, 8
-LOGITS_PER_WARP = 1024  # 32 a thread: fewer warps for the small blocks of a small vocabulary
+# Logits per loop step of the forward: 16k walks a 50k vocabulary in 4 steps. The backward's 4k blocks give
+# N · 13 programs at V = 50304, enough to fill every SM. Warps: one per LOGITS_PER_WARP logits of a block (32
+# float32 registers a thread), so 16 for the forward, 4 for the backward, fewer for a small vocabulary.
+FWD_BLOCK_V = 16384
+BWD_BLOCK_V = 4096
+LOGITS_PER_WARP = 1024
 
 
 @triton.jit
@@ -69,8 +70,8 @@ def cross_entropy_bwd_kernel(
     tl.store(dlogits_ptr + row * stride_dlogits_row + cols, dx.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_warps(block: int, most: int) -> int:
-    return max(1, min(most, block // LOGITS_PER_WARP))
+def _num_warps(block: int) -> int:
+    return max(1, block // LOGITS_PER_WARP)
 
 
 def forward_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -83,7 +84,7 @@ def forward_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
     with torch.cuda.device(logits.device):
         cross_entropy_fwd_kernel[(n_rows,)](
             losses, lse, logits, targets, logits.stride(0), vocab, ignore_index,
-            BLOCK_V=block, num_warps=_num_warps(block, FWD_MAX_WARPS),
+            BLOCK_V=block, num_warps=_num_warps(block),
         )
 
 
@@ -99,5 +100,5 @@ def backward_rows(dlosses: torch.Tensor, logits: torch.Tensor, targets: torch.Te
         cross_entropy_bwd_kernel[(n_rows, triton.cdiv(vocab, block))](
             dlogits, dlosses, logits, lse, targets,
             logits.stride(0), dlogits.stride(0), dlosses.stride(0), vocab, ignore_index,
-            BLOCK_V=block, num_warps=_num_warps(block, BWD_MAX_WARPS),
+            BLOCK_V=block, num_warps=_num_warps(block),
         )
