@@ -1,28 +1,142 @@
-"""Multi-GPU strategies that need Python objects a YAML file cannot spell (classes as wrap policies)."""
+"""Multi-GPU strategies built from config keys (DDP, FSDP) and the gradient clipping that FSDP's shards need.
+
+What each setting moves per optimizer step, with N parameters and W ranks (ring collectives; an all-reduce
+costs a reduce-scatter plus an all-gather, each moving (W-1)/W of its buffer through every link):
+
+    DDP, fp32 all-reduce of the gradients            2·(W-1)/W · 4N bytes per rank
+    FSDP FULL_SHARD, bf16 params, fp32 reduce         2 all-gathers of 2N + reduce-scatter of 4N: (W-1)/W · 8N
+    FSDP SHARD_GRAD_OP (no re-gather in backward)     (W-1)/W · 6N
+
+so FSDP's bytes equal DDP's; what it adds is per Block: three collectives and the Python hooks that issue
+them (docs/CHANGELOG.md has the counts for GPT3-350M and 1.3B).
+"""
 
 from __future__ import annotations
 
-from lightning.pytorch.strategies import FSDPStrategy
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from model.gpt import Block
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _dtype(key: str, name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"trainer.strategy.{key}={name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def processes_per_node(accelerator: str, devices: Any) -> int:
+    """The ranks Lightning starts on a node for trainer.accelerator / trainer.devices ("auto": every GPU when
+    the accelerator is a GPU, else one CPU process)."""
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if "," in devices:  # "0,1": device indices
+            return len([d for d in devices.split(",") if d.strip()])
+        if devices == "auto":
+            return torch.cuda.device_count() if gpu else 1
+        devices = int(devices)
+    if isinstance(devices, int):
+        return (torch.cuda.device_count() if gpu else 1) if devices == -1 else devices
+    return len(devices)  # a list of device indices
+
+
+def data_parallel(
+    accelerator: str = "auto",
+    devices: Any = "auto",
+    num_nodes: int = 1,
+    reduce_dtype: str = "fp32",
+    **ddp: Any,
+) -> DDPStrategy | str:
+    """DDP with these settings when the run has several ranks; "auto" (Lightning's one-device strategy, no
+    wrapper and no all-reduce) when it has one.
+
+    reduce_dtype="bf16" all-reduces the gradients in bf16 (torch's bf16_compress_hook): half the bytes, and
+    each averaged gradient rounded to bf16 once more per step.
+    """
+    if processes_per_node(str(accelerator), devices) * int(num_nodes) <= 1:
+        return "auto"
+    if _dtype("reduce_dtype", reduce_dtype) == torch.bfloat16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp["ddp_comm_hook"] = bf16_compress_hook
+    return DDPStrategy(**ddp)
 
 
 def fsdp_strategy(
     sharding_strategy: str = "FULL_SHARD",
     state_dict_type: str = "sharded",
     activation_checkpointing: bool = False,
-    **kwargs,
+    precision: str | None = None,
+    param_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    backward_prefetch: str | None = "BACKWARD_PRE",
+    **kwargs: Any,
 ) -> FSDPStrategy:
     """FSDP with one unit per transformer Block (gathered just before use, freed right after).
+
+    Under bf16-mixed the gathered weights are bf16 (param_dtype; autocast would cast them to bf16 anyway)
+    and the gradients are reduced in fp32 (reduce_dtype), as DDP's all-reduce: Lightning's own bf16-mixed
+    setting reduces them in bf16. Other precisions keep Lightning's setting for them.
 
     Activation checkpointing here wraps each Block in FSDP's own checkpoint wrapper; leave
     model.activation_checkpointing off when using it, or blocks are recomputed twice.
     """
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
+
+    mixed_precision = None
+    if precision == "bf16-mixed":
+        # buffer_dtype None: float buffers keep their dtype (GPT has none; a RoPE table would stay exact)
+        mixed_precision = MixedPrecision(param_dtype=_dtype("param_dtype", param_dtype),
+                                         reduce_dtype=_dtype("reduce_dtype", reduce_dtype))
     return FSDPStrategy(
         auto_wrap_policy={Block},
         activation_checkpointing_policy={Block} if activation_checkpointing else None,
         sharding_strategy=sharding_strategy,
         state_dict_type=state_dict_type,
+        mixed_precision=mixed_precision,
+        backward_prefetch=BackwardPrefetch[backward_prefetch] if backward_prefetch else None,
         use_orig_params=True,  # torch.compile and per-parameter weight-decay groups need the real params
         **kwargs,
     )
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip gradients that are sharded over `group` (each rank holds a disjoint part of every gradient) to a
+    total 2-norm of max_norm; returns that norm. The norm is taken over all shards: sqrt of the sum over ranks
+    of each rank's sum of squares.
+
+    FSDP's clip_grad_norm_ computes the same, one norm and one multiply per parameter tensor (about 600
+    kernel launches for GPT3-350M); torch's foreach kernels do it in a few.
+    """
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, 2.0).float()
+    else:  # this rank holds no part of any gradient
+        local = torch.zeros((), device=parameters[0].device if parameters else "cpu")
+    squares = local.square()
+    dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def clip_grad_norm_(module: torch.nn.Module, strategy: Any, max_norm: float) -> torch.Tensor:
+    """Clip `module`'s gradients to a total 2-norm of max_norm under the run's strategy; returns the norm."""
+    if isinstance(strategy, FSDPStrategy):
+        from torch.distributed.fsdp import ShardingStrategy
+
+        root = strategy.model
+        if root.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+            return clip_sharded_grad_norm_(module.parameters(), max_norm, root.process_group)
+        return root.clip_grad_norm_(max_norm)  # replicated or hybrid shards: FSDP knows which ranks to sum
+    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)

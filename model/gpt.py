@@ -121,11 +121,13 @@ class LayerNorm(nn.LayerNorm):
     back to bf16: two more passes over every normalized activation, forward and backward. PyTorch's kernel
     accumulates mean and variance in fp32 for a bf16 input anyway, so on the bf16 residual stream this runs
     it outside autocast with weight and bias cast to bf16 (as autocast casts every matmul weight) and
-    writes bf16 directly. An fp32 input (fp32_residual=true, or no autocast) takes nn.LayerNorm's path.
+    writes bf16 directly; an fp32 input (fp32_residual=true) stays fp32. Under autocast this path is taken
+    whatever the weights' dtype: with the bf16 weights FSDP gathers, autocast would still write fp32.
+    Outside autocast it is nn.LayerNorm.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
+        if x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         return _norm_in_input_dtype(
             lambda x, w, b: F.layer_norm(x, self.normalized_shape, w, b, self.eps), x, self.weight, self.bias
@@ -137,7 +139,7 @@ class RMSNorm(nn.RMSNorm):
     miss PyTorch's fused kernel (which accumulates in fp32 for a bf16 input)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
+        if x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         return _norm_in_input_dtype(lambda x, w: F.rms_norm(x, self.normalized_shape, w, self.eps), x, self.weight)
 

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from model.attention import check_attention_runs_on
 from model.checkpoint import check_model_matches
+from model.distributed import clip_grad_norm_
 from model.flops import flops_per_token
 from model.gpt import GPT, GPTConfig
 from model.loss import check_loss, next_token_loss
@@ -199,10 +200,7 @@ class LitGPT(L.LightningModule):
         # optimizer step, after DDP's all-reduce (or FSDP's reduce-scatter) and before the step.
         if not self.hparams.grad_clip:
             return
-        if isinstance(self.trainer.strategy, FSDPStrategy):
-            norm = self.trainer.strategy.model.clip_grad_norm_(self.hparams.grad_clip)  # norm over all shards
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.grad_clip)
+        norm = clip_grad_norm_(self, self.trainer.strategy, self.hparams.grad_clip)  # norm over all shards
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
     def configure_optimizers(self):

@@ -88,7 +88,7 @@ def _fake_gpus(monkeypatch, count, nccl=True):
      ({}, 2, ("trainer.devices=4",), "more ranks than GPUs: trainer.devices=4 asks for 4 GPUs per node"),
      (SRUN_2x4, 4, ("trainer.num_nodes=1",), r"world does not match.*4 × 1 = 4.*trainer.num_nodes=2"),
      (TORCHRUN_2, 8, ("trainer.devices=auto",), r"world does not match.*8 × 1 = 8"),
-     ({}, 8, ("+trainer.strategy=ddpp",), "'ddpp' is not a strategy name.*ddp_spawn"),
+     ({}, 8, ("trainer.strategy=ddpp",), "'ddpp' is not a strategy name.*ddp_spawn"),
      ({}, 0, ("trainer=ddp",), "no CUDA GPU is visible"),
      ({}, 2, ("trainer=fsdp", "trainer.devices=[0,1,2]"), "asks for 3 GPUs"),
      ({}, 2, ("trainer=fsdp", "+nccl=false"), "needs NCCL")],
@@ -113,7 +113,7 @@ def test_the_default_trainer_passes_under_every_launcher(launch_env, monkeypatch
 @pytest.mark.parametrize(
     "overrides",
     [("trainer=ddp", "trainer.devices=8", "trainer.num_nodes=4"), ("trainer=fsdp", "trainer.devices=2"),
-     ("trainer=ddp", "+trainer.strategy.process_group_backend=gloo"), ("+trainer.strategy=ddp_spawn",)],
+     ("trainer=ddp", "+trainer.strategy.process_group_backend=gloo"), ("trainer.strategy=ddp_spawn",)],
 )
 def test_explicit_multi_gpu_settings_pass(launch_env, monkeypatch, overrides):
     launch_env({})

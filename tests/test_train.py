@@ -138,7 +138,7 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(data_cache, tmp
         (("attention=flash",), "attention=sdpa"),
         (("attention.name=flashy",), "unknown attention 'flashy'"),
         (("ckpt_path=/nonexistent.ckpt",), "does not exist"),
-        (("+trainer.strategy=nope",), "not a strategy name"),
+        (("trainer.strategy=nope",), "not a strategy name"),
     ],
 )
 def test_bad_config_fails_before_any_work(data_cache, tmp_path, extra, match):

@@ -1,0 +1,134 @@
+"""The multi-GPU strategies' settings (model/distributed.py, conf/trainer/strategy/) and the sharded gradient
+clipping, on the CPU: the strategies are built, not launched (tests/test_launch.py launches them)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+import model.distributed as distributed
+import train  # noqa: F401  (registers the resolvers)
+from model.distributed import clip_sharded_grad_norm_, data_parallel, fsdp_strategy, processes_per_node
+from model.gpt import LayerNorm, RMSNorm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    def set_count(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return set_count
+
+
+@pytest.mark.parametrize(
+    "accelerator, devices, visible, expected",
+    [("auto", "auto", 8, 8), ("auto", "auto", 0, 1), ("gpu", -1, 4, 4), ("cpu", "auto", 8, 1), ("gpu", "0,1", 8, 2),
+     ("gpu", [2, 3, 5], 8, 3), ("cuda", "2", 8, 2), ("cpu", 2, 0, 2), ("gpu", 1, 8, 1)],
+)
+def test_processes_per_node_follow_lightnings_reading_of_devices(gpus, accelerator, devices, visible, expected):
+    gpus(visible)
+    assert processes_per_node(accelerator, devices) == expected
+
+
+def test_default_trainer_is_ddp_on_several_ranks_and_no_wrapper_on_one(gpus):
+    gpus(2)
+    strategy = instantiate(_compose().trainer.strategy)  # the plain launch on a node of 2 GPUs
+    assert isinstance(strategy, DDPStrategy)
+    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "broadcast_buffers": False, "bucket_cap_mb": 25}
+    assert strategy._ddp_comm_hook is None  # gradients all-reduced in fp32
+    assert instantiate(_compose("trainer.devices=1").trainer.strategy) == "auto"
+    assert instantiate(_compose("trainer=gpu").trainer.strategy) == "auto"
+    assert instantiate(_compose("trainer.devices=1", "trainer.num_nodes=2").trainer.strategy)._ddp_kwargs
+    gpus(0)
+    assert instantiate(_compose().trainer.strategy) == "auto"  # a CPU machine: one process
+
+
+def test_ddp_reduces_in_bf16_only_when_asked(gpus):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    gpus(2)
+    strategy = instantiate(_compose("trainer=ddp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
+    assert strategy._ddp_comm_hook is bf16_compress_hook
+    with pytest.raises(ValueError, match="trainer.strategy.reduce_dtype='fp16'"):
+        data_parallel(devices=2, reduce_dtype="fp16")
+
+
+def test_fsdp_gathers_bf16_weights_and_reduces_fp32_gradients():
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    strategy = instantiate(_compose("trainer=fsdp").trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy)
+    mp = strategy.mixed_precision_config
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.bfloat16, torch.float32, None)
+    assert strategy.kwargs["limit_all_gathers"] is False and strategy.kwargs["forward_prefetch"] is True
+    assert strategy.kwargs["backward_prefetch"] is BackwardPrefetch.BACKWARD_PRE
+    assert strategy.kwargs["use_orig_params"] is True and strategy._state_dict_type == "sharded"
+    bf16 = instantiate(_compose("trainer=fsdp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
+    assert bf16.mixed_precision_config.reduce_dtype == torch.bfloat16
+    # another precision keeps Lightning's own setting for it (the precision plugin's)
+    assert fsdp_strategy(precision="32-true").mixed_precision is None
+    with pytest.raises(ValueError, match="trainer.strategy.param_dtype='float16'"):
+        fsdp_strategy(precision="bf16-mixed", param_dtype="float16")
+
+
+def _params(seed, shapes=((5, 3), (7,), (2, 2))):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 3
+    return params
+
+
+def test_sharded_clip_matches_torch_clip_of_the_whole(monkeypatch):
+    """Two ranks, each holding a disjoint half of every gradient (as FSDP's flat shards): each gets the whole
+    gradient's norm and scales its half as torch's clip_grad_norm_ scales the whole."""
+    whole = _params(0)
+    flat = torch.cat([p.grad.flatten() for p in whole])
+    halves = flat.chunk(2)
+    shards = [[torch.nn.Parameter(torch.zeros(len(h)))] for h in halves]
+    for shard, half in zip(shards, halves):
+        shard[0].grad = half.clone()
+    squares = [h.square().sum() for h in halves]  # what the other rank contributes to the all-reduce
+    norms = []
+    for rank, shard in enumerate(shards):
+        monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, group=None, r=rank: t.add_(squares[1 - r]))
+        norms.append(clip_sharded_grad_norm_(shard, max_norm=1.0))
+    expected = torch.nn.utils.clip_grad_norm_(whole, max_norm=1.0)
+    assert norms[0] == pytest.approx(expected.item(), rel=1e-6) and norms[1] == pytest.approx(expected.item(), rel=1e-6)
+    clipped = torch.cat([p.grad.flatten() for p in whole])
+    torch.testing.assert_close(torch.cat([s[0].grad for s in shards]), clipped)
+
+
+def test_sharded_clip_of_a_rank_without_gradients(monkeypatch):
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, group=None: t.add_(25.0))
+    params = [torch.nn.Parameter(torch.zeros(3))]  # no .grad: this rank holds no part of it
+    assert clip_sharded_grad_norm_(params, max_norm=1.0).item() == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("norm_cls", [LayerNorm, RMSNorm])
+def test_norm_writes_bf16_under_autocast_whatever_the_weights_dtype(norm_cls):
+    """FSDP gathers bf16 weights; autocast would still run the norm in fp32 and write fp32 (two more passes over
+    the activation). The output equals the fp32-weight path's, as DDP computes it."""
+    torch.manual_seed(0)
+    fp32 = norm_cls(64)
+    with torch.no_grad():
+        fp32.weight.normal_()
+    bf16 = norm_cls(64).to(torch.bfloat16)
+    bf16.load_state_dict(fp32.state_dict())
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = fp32(x), bf16(x)
+    assert a.dtype == b.dtype == torch.bfloat16
+    torch.testing.assert_close(a, b)
+    assert bf16(x).dtype == torch.bfloat16  # outside autocast: nn.LayerNorm / nn.RMSNorm itself
