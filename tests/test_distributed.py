@@ -132,3 +132,60 @@ def test_norm_writes_bf16_under_autocast_whatever_the_weights_dtype(norm_cls):
     assert a.dtype == b.dtype == torch.bfloat16
     torch.testing.assert_close(a, b)
     assert bf16(x).dtype == torch.bfloat16  # outside autocast: nn.LayerNorm / nn.RMSNorm itself
+
+
+# --- two GPUs: the sharded clip on FSDP's own shards ------------------------------------------------------------
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="FSDP shards: needs 2 CUDA GPUs"
+)
+
+
+def _clip_on_fsdp_shards(rank: int, port: int, results) -> None:
+    """Rank `rank` of 2: a GPT with one FSDP unit per Block (as trainer=fsdp wraps it), one backward in bf16
+    autocast, then FSDP's clip_grad_norm_ and ours on copies of the same sharded gradients."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from model.gpt import GPT, Block, GPTConfig
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=3, n_head=2, d_model=64, seq_len=32, vocab_size=97, attention="sdpa")
+    model = FSDP(GPT(cfg), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=rank,
+                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    idx = torch.randint(0, 97, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(idx).float().square().mean().backward()
+    params = list(model.parameters())
+    saved = [None if p.grad is None else p.grad.clone() for p in params]
+    theirs = model.clip_grad_norm_(1e-3)
+    clipped_theirs = [None if p.grad is None else p.grad.clone() for p in params]
+    for p, g in zip(params, saved):
+        p.grad = g
+    ours = clip_sharded_grad_norm_(params, 1e-3, model.process_group)
+    same = all((a is None and b is None) or torch.allclose(a, b, rtol=1e-5, atol=0)
+               for a, b in zip(clipped_theirs, [p.grad for p in params]))
+    results[rank] = (float(theirs), float(ours), same, sum(g is not None for g in saved))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_sharded_clip_equals_fsdps_own_on_two_gpus():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_clip_on_fsdp_shards, args=(port, results), nprocs=2)
+    for rank in (0, 1):
+        theirs, ours, same, with_grads = results[rank]
+        assert ours == pytest.approx(theirs, rel=1e-5) and theirs > 1e-3  # the clip acted
+        assert same, f"rank {rank}: the clipped shards differ"
+        assert with_grads > 0
