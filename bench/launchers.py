@@ -176,7 +176,9 @@ def gpu_info() -> dict:
         import torch
 
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpu": names[0] if names else "no GPU", "gpus": len(names), "interconnect": interconnect(topo)}
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")  # nvidia-smi lists every GPU of the host; the runs see these
+    gpus = len([d for d in mask.split(",") if d.strip()]) if mask is not None else len(names)
+    return {"gpu": names[0] if names else "no GPU", "gpus": min(gpus, len(names)), "interconnect": interconnect(topo)}
 
 
 def interconnect(topo: str) -> str | None:
