@@ -21,6 +21,21 @@ def can_plot(script: str) -> bool:
     return False
 
 
+def save_figure(fig, title: str, handles: list, path):
+    """Title, then a one-row legend of handles, then the panels, each in its own band (heights in inches, converted
+    to figure fractions); saved to path (its folder made) and closed. Returns path."""
+    import matplotlib.pyplot as plt
+
+    height = fig.get_figheight()
+    fig.suptitle(title, y=1 - 0.05 / height, va="top")
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(handles), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def seconds_per_call(step, warmup: int, iters: int) -> float:
     """Wall seconds per call of `step`: `warmup` calls, then `iters` timed ones, with the GPU synchronized before
     and after the timed loop only (so the CPU may run ahead of the GPU inside it, as in training)."""

@@ -51,7 +51,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/kernel.py` from anywhere imports the repo's flash_kernel
 
-from bench.common import can_plot, device_slug  # noqa: E402
+from bench.common import can_plot, device_slug, save_figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kernel.json"
 TOKENS = 16 * 1024  # B * T, the paper's fixed token count
@@ -499,15 +499,8 @@ def plot(results: list[dict], device: str, path: Path, inputs: str = "native") -
     from matplotlib.patches import Patch
 
     handles = [Patch(color=colors(mi), label=LABELS[m]) for mi, m in enumerate(methods)]
-    # Title, then legend, then panels, each in its own band (heights in inches, converted to figure fractions).
-    height = fig.get_figheight()
-    fig.suptitle(f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs)})", y=1 - 0.05 / height, va="top")
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(handles), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    title = f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs)})"
+    return save_figure(fig, title, handles, path)
 
 
 # -------------------------------------------------------------------------------------------------- main

@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
 
 from bench import doc_lengths  # noqa: E402
 from bench import kernel as dense  # noqa: E402
-from bench.common import can_plot, device_slug  # noqa: E402
+from bench.common import can_plot, device_slug, save_figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kernel_varlen.json"
 DOC_CASES = list(doc_lengths.DISTRIBUTIONS)
@@ -442,15 +442,8 @@ def plot(results: list[dict], device: str, path: Path) -> Path:
             ax.set_ylabel(unit)
             ax.grid(axis="y", alpha=0.3)
     handles = [Patch(color=colors(mi), label=LABELS[m]) for mi, m in enumerate(methods)]
-    height = fig.get_figheight()
-    fig.suptitle(f"Document-masked and sliding-window attention on {device} (bf16, causal, TFLOP/s of unmasked pairs)",
-                 y=1 - 0.05 / height, va="top")
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(handles), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    title = f"Document-masked and sliding-window attention on {device} (bf16, causal, TFLOP/s of unmasked pairs)"
+    return save_figure(fig, title, handles, path)
 
 
 # -------------------------------------------------------------------------------------------------- main
