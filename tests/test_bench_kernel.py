@@ -417,3 +417,23 @@ def test_varlen_refuses_to_benchmark_on_cpu(tmp_path):
     with pytest.raises(SystemExit, match="no results"):
         bench.main(["--varlen", "--plot-only", "--results", str(tmp_path / "kernel_varlen.json")])
     assert not (tmp_path / "kernel_varlen.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the --varlen grid: needs a CUDA GPU")
+def test_varlen_grid_runs_on_the_gpu(tmp_path):
+    # A small slice of both grids end to end (flex compiles three masks): compiled flex runs; ours runs, or says
+    # why not; FA4 too.
+    path = tmp_path / "kernel_varlen.json"
+    assert bench.main(["--varlen", "--tokens", "4096", "--cases", "fixed1k", "window", "--window-seqlens", "2048",
+                       "--windows", "256", "--hdims", "64", "--modes", "fwd_bwd", "--rounds", "1", "--warmup-ms", "2",
+                       "--rep-ms", "5", "--results", str(path)]) == 0  # fmt: skip
+    rows = bench.load(path)["results"]
+    assert len(rows) == 4 + 2 * 3  # the docs case's methods, then causal and window 256 with ours, flex, fa4
+    assert all(r["status"] in ("ok", "skipped") for r in rows), [(r["method"], r["note"]) for r in rows if r["status"] != "ok"]
+    assert all(r["status"] == "ok" and r["tflops"] > 0 for r in rows if r["method"] == "flex")
+    import flash_kernel
+
+    if flash_kernel.is_available():
+        assert all(r["status"] == "ok" for r in rows if r["method"] == "ours_dense" or (r["method"] == "ours" and r["window"] < 0))
