@@ -1,8 +1,14 @@
 // flash_kernel._C: the torch binding of the FlashAttention-2 kernels (the only file that includes torch).
 //
-// fwd(q, k, v, o, lse, softmax_scale, causal)
-// bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic)
-// Both write into caller-allocated outputs (which may be poisoned; every element is written), validate
+// fwd(q, k, v, o, lse, softmax_scale, causal, window_left=-1, window_right=-1)
+// bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic, window_left=-1, window_right=-1)
+// varlen_fwd(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+//            window_left, window_right)
+// varlen_bwd(do, q, k, v, o, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+//            softmax_scale, causal, deterministic, window_left, window_right)
+// The varlen pair takes packed (total, H, D) tensors and lse (Hq, total_q) (flash_params.h); it checks cu_seqlens'
+// dtype, device and shape, not their values (flash_kernel.interface does, once per tensor).
+// All write into caller-allocated outputs (which may be poisoned; every element is written), validate
 // every input with an error that names the tensor, refuse a GPU whose thread blocks get less shared memory
 // than the kernel asks for (saying what to use instead), and launch on the current CUDA stream.
 // set_overrides(fwd_sm80, bwd_sm80, causal_group_heads, max_smem_per_block): the tests' and benchmarks' switches
@@ -14,7 +20,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "causal_order.h"
 #include "flash_launch.h"
@@ -34,16 +43,18 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& 
                 "; all tensors must be on one device");
 }
 
-void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+// rank 4: (B, T, H, D); rank 3: the varlen layout (total, H, D).
+void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rank = 4) {
     check_cuda_tensor(t, name, q);
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_kernel: ", name, " has dtype ", t.scalar_type(),
                 " but q has dtype ", q.scalar_type(), "; all of q, k, v (and o, do, dq, dk, dv) must share one dtype");
-    TORCH_CHECK(t.dim() == 4, "flash_kernel: ", name, " must have rank 4 (B, T, H, D), got shape ", t.sizes());
-    TORCH_CHECK(t.stride(3) == 1, "flash_kernel: ", name, " must have a contiguous last dim (stride 1), got strides ",
-                t.strides(), "; call .contiguous() on it");
+    TORCH_CHECK(t.dim() == rank, "flash_kernel: ", name, " must have rank ", rank,
+                rank == 4 ? " (B, T, H, D)" : " (total, H, D)", ", got shape ", t.sizes());
+    TORCH_CHECK(t.stride(rank - 1) == 1, "flash_kernel: ", name,
+                " must have a contiguous last dim (stride 1), got strides ", t.strides(), "; call .contiguous() on it");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignBytes == 0, "flash_kernel: ", name,
                 " data pointer must be 16-byte aligned");
-    for (int dim = 0; dim < 3; ++dim) {
+    for (int dim = 0; dim < rank - 1; ++dim) {
         TORCH_CHECK(t.size(dim) <= 1 || t.stride(dim) % kAlignElems == 0, "flash_kernel: ", name, " stride of dim ",
                     dim, " must be a multiple of 8 elements (16 bytes), got strides ", t.strides(), "; call .contiguous()");
     }
@@ -53,42 +64,95 @@ void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected
     TORCH_CHECK(t.sizes() == expected, "flash_kernel: ", name, " must have shape ", expected, ", got ", t.sizes());
 }
 
-void check_lse(const at::Tensor& lse, const at::Tensor& q, int64_t b, int64_t h, int64_t tq) {
+// lse: (B, Hq, Tq), or (Hq, total_q) in varlen (`shape`), float32 and contiguous.
+void check_lse(const at::Tensor& lse, const at::Tensor& q, at::IntArrayRef shape) {
     check_cuda_tensor(lse, "lse", q);
     TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_kernel: lse must be float32, got ", lse.scalar_type());
-    TORCH_CHECK(lse.dim() == 3, "flash_kernel: lse must have rank 3 (B, Hq, Tq), got shape ", lse.sizes());
-    check_shape(lse, "lse", {b, h, tq});
+    check_shape(lse, "lse", shape);
     TORCH_CHECK(lse.is_contiguous(), "flash_kernel: lse must be contiguous");
 }
 
 // Strides of size-1 dims are meaningless (and can be anything); zero them so the kernels never use them.
 int64_t stride_of(const at::Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
 
+// Batch, row and head strides of a (B, T, H, D) tensor, or of a varlen (total, H, D) one (batch stride 0: its rows
+// are placed by cu_seqlens).
+void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
+    const int first = t.dim() == 4 ? 1 : 0;
+    batch = first == 1 ? stride_of(t, 0) : 0;
+    row = stride_of(t, first);
+    head = stride_of(t, first + 1);
+}
+
+// Dense: q (b, tq, h, d), k and v (b, tk, h_k, d). Varlen: b sequences, tq / tk their max_seqlen, total_q / total_k
+// the packed rows (q (total_q, h, d), k and v (total_k, h_k, d)); varlen is false and the totals 0 when dense.
 struct Sizes {
     int64_t b, tq, tk, h, h_k, d;
+    bool varlen = false;
+    int64_t total_q = 0, total_k = 0;
 };
 
-// Validation shared by fwd and bwd; returns the sizes.
-Sizes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// q, k, v on one sm80+ GPU, of one supported dtype, each of `rank` dims with kernel-friendly strides.
+void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t rank) {
     TORCH_CHECK(q.is_cuda(), "flash_kernel: q must be a CUDA tensor, got a tensor on ", q.device(),
                 "; move it with .cuda()");
     TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
                 "flash_kernel: q must be bfloat16 or float16, got ", q.scalar_type(), "; cast with .to(torch.bfloat16)");
-    check_qkv_like(q, "q", q);
-    check_qkv_like(k, "k", q);
-    check_qkv_like(v, "v", q);
+    check_qkv_like(q, "q", q, rank);
+    check_qkv_like(k, "k", q, rank);
+    check_qkv_like(v, "v", q, rank);
     const auto cc = at::cuda::getDeviceProperties(q.device().index());
     TORCH_CHECK(cc->major >= 8, "flash_kernel: needs an sm80+ GPU (A100, H100, ...), got compute capability ",
                 cc->major, ".", cc->minor);
-    Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
-    TORCH_CHECK(s.d % kAlignElems == 0 && s.d > 0 && s.d <= flash::kMaxHeadDim, "flash_kernel: head dim (q.shape[3]) ",
+}
+
+// The head dim and head counts of s, and the grid limits.
+void check_heads(const Sizes& s) {
+    TORCH_CHECK(s.d % kAlignElems == 0 && s.d > 0 && s.d <= flash::kMaxHeadDim, "flash_kernel: head dim (q.shape[-1]) ",
                 s.d, " unsupported: it must be a positive multiple of 8 and at most ", flash::kMaxHeadDim);
+    TORCH_CHECK(s.h_k > 0 && s.h % s.h_k == 0, "flash_kernel: the number of query heads (q.shape[-2] = ", s.h,
+                ") must be a multiple of the number of key/value heads (k.shape[-2] = ", s.h_k, ")");
+    TORCH_CHECK(s.b <= 65535 && s.h <= 65535, "flash_kernel: batch (or sequence count) and head count must be <= 65535 "
+                "(grid limits)");
+}
+
+// Validation shared by fwd and bwd; returns the sizes.
+Sizes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    check_qkv_common(q, k, v, 4);
+    Sizes s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
     check_shape(k, "k", {s.b, s.tk, s.h_k, s.d});
     check_shape(v, "v", {s.b, s.tk, s.h_k, s.d});
-    TORCH_CHECK(s.h_k > 0 && s.h % s.h_k == 0, "flash_kernel: the number of query heads (q.shape[2] = ", s.h,
-                ") must be a multiple of the number of key/value heads (k.shape[2] = ", s.h_k, ")");
+    check_heads(s);
     TORCH_CHECK(s.tq >= 1 && s.tk >= 1, "flash_kernel: sequence lengths must be >= 1, got Tq = ", s.tq, ", Tk = ", s.tk);
-    TORCH_CHECK(s.b <= 65535 && s.h <= 65535, "flash_kernel: batch and head count must be <= 65535 (grid limits)");
+    return s;
+}
+
+// Validation shared by varlen_fwd and varlen_bwd: q (total_q, Hq, D), k and v (total_k, Hk, D), cu_seqlens int32
+// (b + 1,) on q's device. Their values (0 first, non-decreasing, the totals last, no sequence longer than its
+// max_seqlen) are the caller's to check (flash_kernel.interface): reading them here would wait for the GPU.
+Sizes check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+    check_qkv_common(q, k, v, 3);
+    for (const auto& [name, cu] : {std::pair{"cu_seqlens_q", &cu_seqlens_q}, std::pair{"cu_seqlens_k", &cu_seqlens_k}}) {
+        check_cuda_tensor(*cu, name, q);
+        TORCH_CHECK(cu->scalar_type() == at::kInt, "flash_kernel: ", name, " must be int32, got ", cu->scalar_type(),
+                    "; pass it .to(torch.int32)");
+        TORCH_CHECK(cu->dim() == 1 && cu->size(0) >= 2 && cu->is_contiguous(), "flash_kernel: ", name,
+                    " must be a contiguous 1-D tensor (batch + 1,), got shape ", cu->sizes());
+    }
+    TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flash_kernel: cu_seqlens_q and cu_seqlens_k must have "
+                "one length (batch + 1), got ", cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
+    Sizes s{cu_seqlens_q.size(0) - 1, max_seqlen_q, max_seqlen_k, q.size(1), k.size(1), q.size(2), true, q.size(0), k.size(0)};
+    check_shape(k, "k", {s.total_k, s.h_k, s.d});
+    check_shape(v, "v", {s.total_k, s.h_k, s.d});
+    check_heads(s);
+    TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0 && max_seqlen_q <= std::numeric_limits<int>::max() &&
+                    max_seqlen_k <= std::numeric_limits<int>::max(),
+                "flash_kernel: max_seqlen_q and max_seqlen_k must be in [0, 2^31), got ", max_seqlen_q, " and ", max_seqlen_k);
+    TORCH_CHECK((s.total_q == 0 || max_seqlen_q >= 1) && (s.total_k == 0 || max_seqlen_k >= 1),
+                "flash_kernel: max_seqlen_q / max_seqlen_k is 0 but q / k has rows");
+    TORCH_CHECK(s.total_q <= std::numeric_limits<int>::max() && s.total_k <= std::numeric_limits<int>::max(),
+                "flash_kernel: at most 2^31 - 1 packed rows (int32 cu_seqlens)");
     return s;
 }
 
@@ -164,17 +228,38 @@ std::string sm80_smem_shortfall(const flash::FwdParams& p, bool backward, int de
     return msg + ". Use PyTorch's scaled_dot_product_attention (attention=sdpa in train.py) on this GPU instead.";
 }
 
+// The window and causal flag of a call. FlashAttention's semantics: causal is window_right = 0, so a causal call's
+// right bound is 0 whatever was passed, and a window that adds nothing to causal or to full attention (both sides
+// -1, or only a right side on a causal call) stays -1, -1: those calls keep the dense kernels (is_varlen_or_local).
+void set_window(flash::FwdParams& p, bool causal, int64_t window_left, int64_t window_right) {
+    TORCH_CHECK(window_left >= -1 && window_right >= -1, "flash_kernel: window_size must be >= -1 on both sides "
+                "(-1: unbounded), got (", window_left, ", ", window_right, ")");
+    constexpr int64_t kMaxWindow = std::numeric_limits<int>::max() / 2;  // i + offset +- window stays in int
+    const bool local = window_left >= 0 || (!causal && window_right >= 0);
+    p.is_causal = causal;
+    p.window_left = local ? static_cast<int>(std::min(window_left, kMaxWindow)) : -1;
+    p.window_right = !local ? -1 : causal ? 0 : static_cast<int>(std::min(window_right, kMaxWindow));
+}
+
 void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal) {
+                     const at::Tensor& o, const at::Tensor& lse, double softmax_scale, bool causal,
+                     int64_t window_left = -1, int64_t window_right = -1, const at::Tensor* cu_seqlens_q = nullptr,
+                     const at::Tensor* cu_seqlens_k = nullptr) {
     p.q_ptr = q.data_ptr();
     p.k_ptr = k.data_ptr();
     p.v_ptr = v.data_ptr();
     p.o_ptr = o.data_ptr();
     p.lse_ptr = lse.data_ptr<float>();
-    p.q_batch_stride = stride_of(q, 0); p.q_row_stride = stride_of(q, 1); p.q_head_stride = stride_of(q, 2);
-    p.k_batch_stride = stride_of(k, 0); p.k_row_stride = stride_of(k, 1); p.k_head_stride = stride_of(k, 2);
-    p.v_batch_stride = stride_of(v, 0); p.v_row_stride = stride_of(v, 1); p.v_head_stride = stride_of(v, 2);
-    p.o_batch_stride = stride_of(o, 0); p.o_row_stride = stride_of(o, 1); p.o_head_stride = stride_of(o, 2);
+    set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+    set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+    set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    set_strides(o, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    if (s.varlen) {
+        p.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
+        p.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
+        p.total_q = static_cast<int>(s.total_q);
+        p.total_k = static_cast<int>(s.total_k);
+    }
     p.b = static_cast<int>(s.b);
     p.h = static_cast<int>(s.h);
     p.h_k = static_cast<int>(s.h_k);
@@ -185,12 +270,16 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     p.d_rounded = flash::round_head_dim(p.d);
     p.scale_softmax = static_cast<float>(softmax_scale);
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * flash::kLog2eDouble);
-    p.is_causal = causal;
+    set_window(p, causal, window_left, window_right);
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();  // the caller's device guard is set
     p.num_sms = props->multiProcessorCount;
     set_smem_limits(p, props);
 }
+
+// Whether the Hopper kernels can run this call: not varlen or windowed ones (they read neither cu_seqlens nor the
+// window), which run the sm80 kernels on every GPU, whatever the overrides say.
+bool hopper_supports_call(const flash::FwdParams& p) { return !flash::is_varlen_or_local(p); }
 
 // Whether the sm_90a forward / main backward kernel runs for this head dim on this device (else the sm80 one).
 bool fwd_runs_hopper(int d_rounded, int device_index) {
@@ -245,25 +334,22 @@ std::string unsupported_reason(int64_t head_dim, int64_t device_index, bool dete
     return "";
 }
 
-void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
-         double softmax_scale, bool causal) {
-    const Sizes s = check_inputs(q, k, v);
-    check_qkv_like(o, "o", q);
-    check_shape(o, "o", q.sizes());
-    check_lse(lse, q, s.b, s.h, s.tq);
+// The forward on checked inputs (check_inputs or check_varlen_inputs, and o, lse).
+void run_fwd(const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
+             double softmax_scale, bool causal, int64_t window_left, int64_t window_right, const at::Tensor* cu_seqlens_q,
+             const at::Tensor* cu_seqlens_k) {
     TORCH_CHECK(std::isfinite(softmax_scale), "flash_kernel: softmax_scale must be finite, got ", softmax_scale);
-    if (s.b == 0 || s.h == 0) return;
-
     const int device = q.device().index();
     const c10::cuda::CUDAGuard device_guard(q.device());
     flash::FwdParams p{};
-    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
-    p.use_sm90 = sm90_forward_allowed(device);
+    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k);
+    if (s.b == 0 || s.h == 0 || s.tq == 0 || (s.varlen && s.total_q == 0)) return;  // no query row to write
+    p.use_sm90 = sm90_forward_allowed(device) && hopper_supports_call(p);
     const bool hopper = p.use_sm90 && flash::hopper_fwd_built(p.d_rounded);  // fwd_runs_hopper, from the params
     if (!hopper) check_sm80_fits(p, device, /*backward=*/false);
     // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
     at::Tensor tile_counter;
-    if (causal) {  // K and V bytes of a query head (shared by h / h_k of them under GQA)
+    if (p.is_causal && !flash::is_varlen_or_local(p)) {  // K and V bytes of a query head (shared by h / h_k of them)
         p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
         if (hopper) {  // its blocks take tiles from a counter
             tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
@@ -275,21 +361,30 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-         const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, double softmax_scale, bool causal,
-         bool deterministic) {
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
+         double softmax_scale, bool causal, int64_t window_left, int64_t window_right) {
     const Sizes s = check_inputs(q, k, v);
     check_qkv_like(o, "o", q);
     check_shape(o, "o", q.sizes());
-    check_qkv_like(dout, "do", q);
-    check_shape(dout, "do", q.sizes());
-    check_lse(lse, q, s.b, s.h, s.tq);
-    check_qkv_like(dq, "dq", q);
-    check_shape(dq, "dq", q.sizes());
-    check_qkv_like(dk, "dk", q);
-    check_shape(dk, "dk", k.sizes());
-    check_qkv_like(dv, "dv", q);
-    check_shape(dv, "dv", v.sizes());
+    check_lse(lse, q, {s.b, s.h, s.tq});
+    run_fwd(s, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, nullptr, nullptr);
+}
+
+void varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o, at::Tensor& lse,
+                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left, int64_t window_right) {
+    const Sizes s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    check_qkv_like(o, "o", q, 3);
+    check_shape(o, "o", q.sizes());
+    check_lse(lse, q, {s.h, s.total_q});
+    run_fwd(s, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, &cu_seqlens_q, &cu_seqlens_k);
+}
+
+// The backward on checked inputs (check_inputs or check_varlen_inputs, and the rest).
+void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const at::Tensor& o, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+             double softmax_scale, bool causal, bool deterministic, int64_t window_left, int64_t window_right,
+             const at::Tensor* cu_seqlens_q, const at::Tensor* cu_seqlens_k) {
     TORCH_CHECK(std::isfinite(softmax_scale), "flash_kernel: softmax_scale must be finite, got ", softmax_scale);
     const int d_rounded = flash::round_head_dim(static_cast<int>(s.d));
     TORCH_CHECK(flash::bwd_head_dim_supported(d_rounded), "flash_kernel: backward supports head dims up to ",
@@ -297,14 +392,20 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     // Head dim 256 splits each head's columns over 2 thread blocks along grid.y.
     TORCH_CHECK(d_rounded <= 128 || s.h <= 65535 / 2, "flash_kernel: backward with head dim > 128 supports at most ",
                 65535 / 2, " query heads, got ", s.h);
-    if (s.b == 0 || s.h == 0) return;
-
     const int device = q.device().index();
     const c10::cuda::CUDAGuard device_guard(q.device());
     flash::BwdParams p{};
-    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal);
-    p.use_sm90 = sm90_backward_allowed(device);
-    if (!bwd_runs_hopper(d_rounded, device, deterministic)) {  // before dq_accum and the rest are allocated
+    fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k);
+    if (s.b == 0 || s.h == 0) return;
+    if (s.varlen && (s.total_q == 0 || s.total_k == 0 || s.tq == 0 || s.tk == 0)) {
+        // No (query, key) pair at all: every gradient is 0, and the kernels' grids would be empty.
+        dq.zero_();
+        dk.zero_();
+        dv.zero_();
+        return;
+    }
+    p.use_sm90 = sm90_backward_allowed(device) && hopper_supports_call(p);
+    if (!bwd_runs_hopper(d_rounded, device, deterministic) || !p.use_sm90) {  // before dq_accum and the rest exist
         check_sm80_fits(p, device, /*backward=*/true);
     }
     const auto f32 = q.options().dtype(at::kFloat);
@@ -316,27 +417,30 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
         const int64_t heads = s.b * s.h;
         num_splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_n_blocks, ceil_div(p.num_sms, heads))));
     }
-    at::Tensor delta = at::empty({s.b, s.h, s.tq}, f32);                               // (B, Hq, Tq)
-    // (S, B, Hq, Tq, Dr); zeroed by the preprocess kernel, which reads every row anyway
-    at::Tensor dq_accum = at::empty({int64_t{num_splits}, s.b, s.h, s.tq, int64_t{d_rounded}}, f32);
-    // GQA/MQA: per-query-head dK/dV, summed over each group below.
+    // delta like lse: (B, Hq, Tq), or (Hq, total_q). dq_accum (S, B, Hq, Tq, Dr), or (S, Hq, dq_accum_rows, Dr) in
+    // varlen (flash_params.h); zeroed by the preprocess kernel, which reads every row anyway.
+    at::Tensor delta = at::empty(lse.sizes(), f32);
+    const int64_t accum_rows = s.varlen ? flash::dq_accum_rows(static_cast<int>(s.total_q), static_cast<int>(s.b)) : s.tq;
+    at::Tensor dq_accum = s.varlen ? at::empty({int64_t{num_splits}, s.h, accum_rows, int64_t{d_rounded}}, f32)
+                                   : at::empty({int64_t{num_splits}, s.b, s.h, s.tq, int64_t{d_rounded}}, f32);
+    // GQA/MQA: per-query-head dK/dV ((B, Tk, Hq, D), or (total_k, Hq, D)), summed over each group below.
     const bool grouped = s.h != s.h_k;
-    at::Tensor dk_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dk;  // (B, Tk, Hq, D)
-    at::Tensor dv_expanded = grouped ? at::empty({s.b, s.tk, s.h, s.d}, q.options()) : dv;
+    std::vector<int64_t> expanded_shape = k.sizes().vec();
+    expanded_shape[expanded_shape.size() - 2] = s.h;
+    at::Tensor dk_expanded = grouped ? at::empty(expanded_shape, q.options()) : dk;
+    at::Tensor dv_expanded = grouped ? at::empty(expanded_shape, q.options()) : dv;
 
     p.do_ptr = dout.data_ptr();
     p.dq_ptr = dq.data_ptr();
     p.dk_ptr = dk_expanded.data_ptr();
     p.dv_ptr = dv_expanded.data_ptr();
-    p.do_batch_stride = stride_of(dout, 0); p.do_row_stride = stride_of(dout, 1); p.do_head_stride = stride_of(dout, 2);
-    p.dq_batch_stride = stride_of(dq, 0); p.dq_row_stride = stride_of(dq, 1); p.dq_head_stride = stride_of(dq, 2);
-    p.dk_batch_stride = stride_of(dk_expanded, 0); p.dk_row_stride = stride_of(dk_expanded, 1);
-    p.dk_head_stride = stride_of(dk_expanded, 2);
-    p.dv_batch_stride = stride_of(dv_expanded, 0); p.dv_row_stride = stride_of(dv_expanded, 1);
-    p.dv_head_stride = stride_of(dv_expanded, 2);
+    set_strides(dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+    set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+    set_strides(dk_expanded, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+    set_strides(dv_expanded, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     p.delta_ptr = delta.data_ptr<float>();
     p.dq_accum_ptr = dq_accum.data_ptr<float>();
-    p.dq_accum_split_stride = s.b * s.h * s.tq * d_rounded;
+    p.dq_accum_split_stride = dq_accum.stride(0);
     p.num_splits = num_splits;
     p.deterministic = deterministic;
 
@@ -345,11 +449,51 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     if (grouped) {
-        // (B, Tk, Hkv, group, D) summed over group: a fixed-order reduction, so deterministic too.
-        const int64_t group = s.h / s.h_k;
-        at::sum_out(dk, dk_expanded.view({s.b, s.tk, s.h_k, group, s.d}), {3});
-        at::sum_out(dv, dv_expanded.view({s.b, s.tk, s.h_k, group, s.d}), {3});
+        // (..., Hkv, group, D) summed over group: a fixed-order reduction, so deterministic too.
+        std::vector<int64_t> groups = k.sizes().vec();
+        groups.insert(groups.end() - 1, s.h / s.h_k);
+        const int64_t group_dim = static_cast<int64_t>(groups.size()) - 2;
+        at::sum_out(dk, dk_expanded.view(groups), {group_dim});
+        at::sum_out(dv, dv_expanded.view(groups), {group_dim});
     }
+}
+
+// dout, o, dq, dk, dv of a backward call like q, k, v (rank 4, or 3 in varlen).
+void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& o, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+    const int64_t rank = q.dim();
+    check_qkv_like(o, "o", q, rank);
+    check_shape(o, "o", q.sizes());
+    check_qkv_like(dout, "do", q, rank);
+    check_shape(dout, "do", q.sizes());
+    check_qkv_like(dq, "dq", q, rank);
+    check_shape(dq, "dq", q.sizes());
+    check_qkv_like(dk, "dk", q, rank);
+    check_shape(dk, "dk", k.sizes());
+    check_qkv_like(dv, "dv", q, rank);
+    check_shape(dv, "dv", v.sizes());
+}
+
+void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+         const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, double softmax_scale, bool causal,
+         bool deterministic, int64_t window_left, int64_t window_right) {
+    const Sizes s = check_inputs(q, k, v);
+    check_bwd_tensors(dout, q, k, v, o, dq, dk, dv);
+    check_lse(lse, q, {s.b, s.h, s.tq});
+    run_bwd(s, dout, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic, window_left, window_right,
+            nullptr, nullptr);
+}
+
+void varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const at::Tensor& o, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic, int64_t window_left,
+                int64_t window_right) {
+    const Sizes s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    check_bwd_tensors(dout, q, k, v, o, dq, dk, dv);
+    check_lse(lse, q, {s.h, s.total_q});
+    run_bwd(s, dout, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic, window_left, window_right,
+            &cu_seqlens_q, &cu_seqlens_k);
 }
 
 }  // namespace
@@ -357,10 +501,23 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention-2 forward/backward CUDA kernels (mma.sync on sm80+, wgmma on sm90a); see flash_kernel/csrc";
     m.def("fwd", &fwd, "FlashAttention-2 forward into caller-allocated o and lse", py::arg("q"), py::arg("k"),
-          py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"));
+          py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("softmax_scale"), py::arg("causal"),
+          py::arg("window_left") = -1, py::arg("window_right") = -1);
     m.def("bwd", &bwd, "FlashAttention-2 backward into caller-allocated dq, dk, dv", py::arg("dout"), py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-          py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"));
+          py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"), py::arg("window_left") = -1,
+          py::arg("window_right") = -1);
+    m.def("varlen_fwd", &varlen_fwd,
+          "FlashAttention-2 forward on packed (total, H, D) sequences into caller-allocated o and lse (Hq, total_q)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("cu_seqlens_q"),
+          py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("softmax_scale"),
+          py::arg("causal"), py::arg("window_left") = -1, py::arg("window_right") = -1);
+    m.def("varlen_bwd", &varlen_bwd,
+          "FlashAttention-2 backward on packed (total, H, D) sequences into caller-allocated dq, dk, dv",
+          py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dq"),
+          py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
+          py::arg("max_seqlen_k"), py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"),
+          py::arg("window_left") = -1, py::arg("window_right") = -1);
     m.def("fwd_kernel_name", &fwd_kernel_name,
           "the forward kernel that runs for this head dim on this CUDA device: sm90a-wgmma or sm80-mma",
           py::arg("head_dim"), py::arg("device_index"));

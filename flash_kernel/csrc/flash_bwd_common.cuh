@@ -50,19 +50,37 @@ struct RowKernelShape {
     static constexpr int kRowThreads = kHeadDim <= 32 ? 4 : kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
     static constexpr int kRows = kRowKernelThreads / kRowThreads;
 };
-// A row kernel thread's place: thread `sub` of query row `q` of head bidh, batch bidb.
+// A row kernel thread's place: thread `sub` of query row `q` of head bidh, batch (kVarlen: sequence) bidb. kVarlen:
+// the sequence has seqlen_q rows from packed row q_row0 (cu_seqlens_q); dense: params.seqlen_q rows, placed by the
+// batch stride (the dense kernels read them as they always did, so their code does not change).
+template <bool kVarlen>
 struct RowThread {
     int sub, q, bidh, bidb;
-    __device__ __forceinline__ int64_t row(const BwdParams& p) const {  // into (B, Hq, Tq)
+    int seqlen_q, q_row0;  // kVarlen only
+    __device__ __forceinline__ int rows(const BwdParams& p) const { return kVarlen ? seqlen_q : p.seqlen_q; }
+    __device__ __forceinline__ int64_t q_row(const BwdParams& p) const {  // into q, o, do, dq's rows
+        return kVarlen ? static_cast<int64_t>(q_row0) + q : static_cast<int64_t>(q);
+    }
+    __device__ __forceinline__ int64_t row(const BwdParams& p) const {  // into lse, delta: (B, Hq, Tq) or (Hq, total_q)
+        if constexpr (kVarlen) return static_cast<int64_t>(bidh) * p.total_q + q_row0 + q;
         return (static_cast<int64_t>(bidb) * p.h + bidh) * p.seqlen_q + q;
     }
+    __device__ __forceinline__ int64_t accum_row(const BwdParams& p) const {  // into a split of dq_accum (flash_params.h)
+        if constexpr (kVarlen) return bidh * dq_accum_rows(p.total_q, p.b) + dq_accum_row0(q_row0, bidb) + q;
+        return row(p);
+    }
 };
-template <int kHeadDim>
-__device__ __forceinline__ RowThread row_thread() {
+template <int kHeadDim, bool kVarlen>
+__device__ __forceinline__ RowThread<kVarlen> row_thread(const BwdParams& p) {
     using Shape = RowKernelShape<kHeadDim>;
-    return {static_cast<int>(threadIdx.x % Shape::kRowThreads),
-            static_cast<int>(blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads), static_cast<int>(blockIdx.y),
-            static_cast<int>(blockIdx.z)};
+    RowThread<kVarlen> th{static_cast<int>(threadIdx.x % Shape::kRowThreads),
+                          static_cast<int>(blockIdx.x * Shape::kRows + threadIdx.x / Shape::kRowThreads),
+                          static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), 0, 0};
+    if constexpr (kVarlen) {
+        th.q_row0 = p.cu_seqlens_q[th.bidb];
+        th.seqlen_q = p.cu_seqlens_q[th.bidb + 1] - th.q_row0;
+    }
+    return th;
 }
 
 // Alg. 2 line 10's L_i and D_i for the kBlockM query rows from row0, into shared memory by 4-byte cp.async of
@@ -82,17 +100,18 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
 
 // Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows zeroed here (every split), which spares a
 // separate memset of the same bytes. Rows are RowKernelShape's: at hd128 16 threads per row, 16 rows per block.
-template <typename Element, int kHeadDim>
+// kVarlen: rows of packed sequences (cu_seqlens_q), a row block past its sequence's end writes nothing.
+template <typename Element, int kHeadDim, bool kVarlen>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
-    const RowThread th = row_thread<kHeadDim>();
-    const bool valid = th.q < params.seqlen_q;  // no early return: the row's threads reduce by shuffles below
+    const auto th = row_thread<kHeadDim, kVarlen>(params);
+    const bool valid = th.q < th.rows(params);  // no early return: the row's threads reduce by shuffles below
     float acc = 0.f;
     if (valid) {
         const Element* dO = static_cast<const Element*>(params.do_ptr) + th.bidb * params.do_batch_stride +
-                            static_cast<int64_t>(th.q) * params.do_row_stride + th.bidh * params.do_head_stride;
+                            th.q_row(params) * params.do_row_stride + th.bidh * params.do_head_stride;
         const Element* o = static_cast<const Element*>(params.o_ptr) + th.bidb * params.o_batch_stride +
-                           static_cast<int64_t>(th.q) * params.o_row_stride + th.bidh * params.o_head_stride;
+                           th.q_row(params) * params.o_row_stride + th.bidh * params.o_head_stride;
         for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
             const uint4 a = *reinterpret_cast<const uint4*>(dO + col);
             const uint4 b = *reinterpret_cast<const uint4*>(o + col);
@@ -109,8 +128,9 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
     if (!valid) return;
     const int64_t row = th.row(params);
     if (th.sub == 0) params.delta_ptr[row] = acc;
+    const int64_t accum_row = kVarlen ? th.accum_row(params) : row;
     for (int split = 0; split < params.num_splits; ++split) {
-        float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + row * params.d_rounded;
+        float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row * params.d_rounded;
         for (int col = th.sub * 4; col < params.d_rounded; col += Shape::kRowThreads * 4) {
             *reinterpret_cast<float4*>(dst + col) = make_float4(0.f, 0.f, 0.f, 0.f);
         }
@@ -119,15 +139,15 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
 
 // dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides; 8
 // columns (two float4 loads per split, one 16-byte store) per thread and step. kSwizzledChunks: dq_accum in the
-// Hopper backward's layout (dq_accum_chunk; one split).
-template <typename Element, int kHeadDim, bool kSwizzledChunks>
+// Hopper backward's layout (dq_accum_chunk; one split). kVarlen: as in bwd_preprocess_kernel.
+template <typename Element, int kHeadDim, bool kSwizzledChunks, bool kVarlen>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
-    const RowThread th = row_thread<kHeadDim>();
-    if (th.q >= params.seqlen_q) return;
-    const float* src = params.dq_accum_ptr + th.row(params) * params.d_rounded;
+    const auto th = row_thread<kHeadDim, kVarlen>(params);
+    if (th.q >= th.rows(params)) return;
+    const float* src = params.dq_accum_ptr + th.accum_row(params) * params.d_rounded;
     Element* dst = static_cast<Element*>(params.dq_ptr) + th.bidb * params.dq_batch_stride +
-                   static_cast<int64_t>(th.q) * params.dq_row_stride + th.bidh * params.dq_head_stride;
+                   th.q_row(params) * params.dq_row_stride + th.bidh * params.dq_head_stride;
     const float sc = params.scale_softmax;
     for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
         const int lo_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4, th.q) : col;

@@ -29,13 +29,18 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
 }
 
 // Alg. 2 lines 6-20 on sm80+ (flash_bwd_tiled_kernel.cuh): parallel over K/V blocks (or num_splits ordered
-// workers), heads (times the column splits), batch.
+// workers), heads (times the column splits), batch (varlen: sequences, the K/V blocks of max_seqlen_k). Varlen and
+// windowed calls (is_varlen_or_local) run the kernel that reads their bounds at run time.
 template <typename Traits>
 cudaError_t launch_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
+    const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
+    const int grid_x = params.deterministic ? params.num_splits : num_n_blocks;
+    const dim3 grid(grid_x, params.h * Traits::kColSplits, params.b);
+    if (is_varlen_or_local(params)) {
+        return launch_kernel(&flash_bwd_tiled_kernel<Traits, false, true>, grid, Traits::kNThreads, Traits::kSmemBytes,
+                             stream, params);
+    }
     return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
-        const int grid_x = params.deterministic ? params.num_splits : num_n_blocks;
-        const dim3 grid(grid_x, params.h * Traits::kColSplits, params.b);
         return launch_kernel(&flash_bwd_tiled_kernel<Traits, kIsCausal>, grid, Traits::kNThreads, Traits::kSmemBytes,
                              stream, params);
     });
@@ -59,12 +64,31 @@ cudaError_t launch_bwd_sm80_config(const BwdParams& params, cudaStream_t stream)
     return launch_bwd_sm80<Traits>(params, stream);
 }
 
+// The row kernels around the main one (flash_bwd_common.cuh) for dense or packed (varlen) rows: grid.x covers
+// (max_)seqlen_q's rows, grid.z the batch or the sequences.
+template <typename Element, int kHeadDim>
+cudaError_t launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) {
+    const dim3 row_grid(ceil_div(params.seqlen_q, RowKernelShape<kHeadDim>::kRows), params.h, params.b);
+    FLASH_BOOL_SWITCH(params.cu_seqlens_q != nullptr, kVarlen, [&] {
+        bwd_preprocess_kernel<Element, kHeadDim, kVarlen><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
+    });
+    FLASH_LAUNCH_CHECK();
+    return cudaSuccess;
+}
+template <typename Element, int kHeadDim, bool kSwizzledChunks>
+cudaError_t launch_bwd_convert_dq(const BwdParams& params, cudaStream_t stream) {
+    const dim3 row_grid(ceil_div(params.seqlen_q, RowKernelShape<kHeadDim>::kRows), params.h, params.b);
+    FLASH_BOOL_SWITCH(params.cu_seqlens_q != nullptr, kVarlen, [&] {
+        bwd_convert_dq_kernel<Element, kHeadDim, kSwizzledChunks, kVarlen><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
+    });
+    FLASH_LAUNCH_CHECK();
+    return cudaSuccess;
+}
+
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     // Alg. 2 line 4, and dq_accum zeroed.
-    const dim3 row_grid(ceil_div(params.seqlen_q, RowKernelShape<kHeadDim>::kRows), params.h, params.b);
-    bwd_preprocess_kernel<Element, kHeadDim><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
-    FLASH_LAUNCH_CHECK();
+    FLASH_RETURN_IF_ERROR((launch_bwd_preprocess<Element, kHeadDim>(params, stream)));
 
     // Alg. 2 lines 6-20: the Hopper kernel where there is one (not for the ordered deterministic splits), else
     // the sm80 kernel; then dQ = scale * sum_splits(dq_accum) -> input dtype, reading dq_accum in the layout
@@ -74,17 +98,13 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
                       "the Hopper kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
         if (params.use_sm90 && !params.deterministic) {
             FLASH_RETURN_IF_ERROR((launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream)));
-            bwd_convert_dq_kernel<Element, kHeadDim, true><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
-            FLASH_LAUNCH_CHECK();
-            return cudaSuccess;
+            return launch_bwd_convert_dq<Element, kHeadDim, true>(params, stream);
         }
     }
     static_assert(BwdConfig<kHeadDim, Element>::Traits::kHeadDim == kHeadDim,
                   "the sm80 kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
     FLASH_RETURN_IF_ERROR((launch_bwd_sm80_config<BwdConfig<kHeadDim, Element>>(params, stream)));
-    bwd_convert_dq_kernel<Element, kHeadDim, false><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
-    FLASH_LAUNCH_CHECK();
-    return cudaSuccess;
+    return launch_bwd_convert_dq<Element, kHeadDim, false>(params, stream);
 }
 
 }  // namespace flash

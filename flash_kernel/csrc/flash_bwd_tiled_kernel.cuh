@@ -54,8 +54,14 @@ __device__ __forceinline__ QueryBlockOrder query_block_order(int m_min, int m_ma
 // S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed after the barrier. dK (and dV
 // there) run after the barrier on their own (keys x columns) warp tile, reading dS^T (P^T) from shared memory.
 // kDqWarpsM < kBlockM / 16 gives dQ warps several m16 tiles.
-template <typename Traits, bool kIsCausal>
+// kVarlenWindow (its own instantiation; the dense kernels are untouched): per-sequence lengths and rows from
+// cu_seqlens (grid.z runs over sequences; key blocks past a sequence's end do nothing) and the sliding window, causal
+// as window_right = 0 (seq_bounds, flash_params.h). A key block visits only the query blocks whose windows reach
+// it, [m_block_min, m_block_max), and masks the tiles that cross a window edge; keys that no query sees get
+// dK = dV = 0.
+template <typename Traits, bool kIsCausal, bool kVarlenWindow = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(const BwdParams params) {
+    static_assert(!(kIsCausal && kVarlenWindow), "kVarlenWindow reads causal as window_right = 0");
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -107,20 +113,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
     const int col0 = (blockIdx.y % Traits::kColSplits) * kOutCols;  // this block's dK/dV/dQ columns
     const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
     const int g = lane / 4, t = lane % 4;
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, d = params.d;
+    const SeqBounds seq = kVarlenWindow ? seq_bounds(params, bidb)
+                                        : SeqBounds{params.seqlen_q, params.seqlen_k, 0, 0, -1, -1};
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, d = params.d;
     const int causal_offset = seqlen_k - seqlen_q;
     const float scale_log2 = params.scale_softmax_log2;
     const int bidh_k = bidh / params.h_h_k_ratio;
 
-    const Element* q = static_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
-    const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
-    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_k * params.k_head_stride;
-    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
-    const int64_t row_base = (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;  // into (B, Hq, Tq)
+    // The sequence's rows: seq.q_row0 and seq.k_row0 are 0 in the dense kernels (the batch stride places them).
+    const Element* q = static_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride +
+                       static_cast<int64_t>(seq.q_row0) * params.q_row_stride;
+    const Element* dO = static_cast<const Element*>(params.do_ptr) + bidb * params.do_batch_stride +
+                        bidh * params.do_head_stride + static_cast<int64_t>(seq.q_row0) * params.do_row_stride;
+    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
+                       bidh_k * params.k_head_stride + static_cast<int64_t>(seq.k_row0) * params.k_row_stride;
+    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
+                       bidh_k * params.v_head_stride + static_cast<int64_t>(seq.k_row0) * params.v_row_stride;
+    // Into lse and delta ((B, Hq, Tq), or (Hq, total_q)) and one split of dq_accum ((B, Hq, Tq, .), or varlen's
+    // (Hq, dq_accum_rows, .) with padded sequence starts).
+    const int64_t row_base = kVarlenWindow ? lse_row0(params, seq, bidb, bidh)
+                                           : (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;
+    const int64_t accum_row_base = kVarlenWindow && params.cu_seqlens_q != nullptr
+                                       ? bidh * dq_accum_rows(params.total_q, params.b) + dq_accum_row0(seq.q_row0, bidb)
+                                       : row_base;
     const float* lse = params.lse_ptr + row_base;
     const float* delta = params.delta_ptr + row_base;
     const int split = params.deterministic ? blockIdx.x : 0;
-    float* dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride + row_base * params.d_rounded;
+    float* dq_accum = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row_base * params.d_rounded;
 
     // ldmatrix lane addressing (see utils.cuh).
     const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;    // A from row-major [m][k]
@@ -203,14 +222,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
         const int key0 = n_block * kBlockN;
         const int valid_keys = min(kBlockN, seqlen_k - key0);
         // Causal: query blocks that end before the first query seeing key0 contribute nothing.
-        const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
+        int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
+        int m_block_end = m_block_max;
+        if constexpr (kVarlenWindow) {
+            // Query blocks wholly before the first query whose window reaches key0, or after the last one whose
+            // window reaches this block's last key, contribute nothing.
+            if (seq.window_right >= 0) {
+                m_block_min = max(0, floor_div(key0 - causal_offset - seq.window_right, kBlockM));
+            }
+            if (seq.window_left >= 0) {
+                m_block_end = min(m_block_end, floor_div(key0 + valid_keys - 1 + seq.window_left - causal_offset, kBlockM) + 1);
+            }
+        }
 
         // Alg. 2 lines 7-8.
         copy_tile_async_stepped<kBlockN, Tile, kNThreads>(sK, k + key0 * params.k_row_stride, params.k_row_stride,
                                                           valid_keys, d);
         copy_tile_async_stepped<kBlockN, Tile, kNThreads>(sV, v + key0 * params.v_row_stride, params.v_row_stride,
                                                           valid_keys, d);
-        const QueryBlockOrder order = query_block_order<!kIsCausal>(m_block_min, m_block_max, n_block);
+        const QueryBlockOrder order = query_block_order<!kIsCausal>(m_block_min, m_block_end, n_block);
         if (order.n > 0) {
             load_q(order(0), 0);
             load_do(order(0), 0);
@@ -281,8 +311,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
             }
             // Mask keys past Tk (zero-filled K rows would otherwise give P = exp(-L), which can overflow)
             // and, on diagonal tiles, keys a query may not see.
-            const bool need_mask =
-                key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset);
+            bool need_mask = key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset);
+            if constexpr (kVarlenWindow) {
+                need_mask = need_mask ||
+                            (seq.window_right >= 0 && key0 + kBlockN - 1 > query0 + causal_offset + seq.window_right) ||
+                            (seq.window_left >= 0 && key0 < query0 + kBlockM - 1 + causal_offset - seq.window_left);
+            }
             if (need_mask) {
 #pragma unroll
                 for (int mt = 0; mt < kSdpKTiles; ++mt) {
@@ -292,7 +326,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                         for (int e = 0; e < 4; ++e) {
                             const int key = key_row + mt * kMmaM + (e >= 2 ? 8 : 0);
                             const int query = query0 + sdp_q0 + i * kMmaN + 2 * t + (e & 1);
-                            if (key >= seqlen_k || (kIsCausal && key > query + causal_offset)) p[mt][i][e] = -INFINITY;
+                            bool masked = key >= seqlen_k || (kIsCausal && key > query + causal_offset);
+                            if constexpr (kVarlenWindow) {
+                                masked = masked ||
+                                         (seq.window_right >= 0 && key > query + causal_offset + seq.window_right) ||
+                                         (seq.window_left >= 0 && key < query + causal_offset - seq.window_left);
+                            }
+                            if (masked) p[mt][i][e] = -INFINITY;
                         }
                     }
                 }
@@ -487,9 +527,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(c
                                                    (kPInSmem ? dkv_c0 : 0) + 2 * t, 1.f);
         __syncthreads();
         Element* dk = static_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh * params.dk_head_stride +
-                      key0 * params.dk_row_stride + col0;
+                      (kVarlenWindow ? static_cast<int64_t>(seq.k_row0) + key0 : key0) * params.dk_row_stride + col0;
         Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
-                      key0 * params.dv_row_stride + col0;
+                      (kVarlenWindow ? static_cast<int64_t>(seq.k_row0) + key0 : key0) * params.dv_row_stride + col0;
         store_tile<kBlockN, kOutCols, Tile, kNThreads>(dk, sK, params.dk_row_stride, valid_keys, d - col0);
         store_tile<kBlockN, kOutCols, Tile, kNThreads>(dv, sV, params.dv_row_stride, valid_keys, d - col0);
         __syncthreads();  // the next K/V block's loads overwrite sK / sV

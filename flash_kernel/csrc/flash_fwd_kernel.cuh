@@ -19,6 +19,14 @@
 // query i sees key j iff j <= i + Tk - Tq; K/V blocks wholly above the diagonal are never loaded and
 // only tiles that cross the diagonal or the sequence end pay for masking. A row with no visible key
 // (Tq > Tk, causal) gets O = 0 and LSE = +inf, which makes the backward's P = exp(S - LSE) = 0.
+//
+// kVarlenWindow (its own instantiation, so the dense kernels above are untouched): per-sequence lengths and row
+// offsets from cu_seqlens (grid.z runs over sequences, grid.x over max_seqlen_q's blocks; a block past its
+// sequence's end exits without writing), and the sliding window read at run time, causal as window_right = 0
+// (seq_bounds, flash_params.h): query i sees key j iff i + off - left <= j <= i + off + right, off = Tk - Tq of
+// the sequence. Only key blocks [n_block_min, n_block_max) that hold a visible key are visited, so the cost
+// falls with the window; tiles that cross a window edge or the sequence end are masked. Rows that see no key at
+// all (a window past the sequence's keys, a sequence without keys) get O = 0 and LSE = +inf, as above.
 #pragma once
 
 #include <cmath>
@@ -30,9 +38,10 @@
 
 namespace flash {
 
-template <typename Traits, bool kIsCausal>
+template <typename Traits, bool kIsCausal, bool kVarlenWindow = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     flash_fwd_kernel(const FwdParams params) {
+    static_assert(!(kIsCausal && kVarlenWindow), "kVarlenWindow reads causal as window_right = 0");
     using Element = typename Traits::Element;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -52,41 +61,61 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     Element* sK = sQ + Traits::kSmemQElems;                         // [kNStages][kBlockN][kHeadDim] as Tile
     Element* sV = sK + Traits::kNStages * Traits::kSmemKVTileElems;  // [kNStages][kBlockN][kHeadDim] as Tile
 
-    // Causal: longest blocks first, heads in L2-sized groups (causal_order.h).
-    const BlockCoord coord = fwd_block_coord<kIsCausal>(params.causal_group_heads);
+    // Causal: longest blocks first, heads in L2-sized groups (causal_order.h). kVarlenWindow: the last query blocks
+    // first (the longest ones when causal).
+    const BlockCoord coord = kVarlenWindow ? BlockCoord{static_cast<int>(gridDim.x - 1 - blockIdx.x),
+                                                        static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)}
+                                           : fwd_block_coord<kIsCausal>(params.causal_group_heads);
     const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int warp = tid / kWarpSize;
     const int lane = tid % kWarpSize;
-    const int seqlen_q = params.seqlen_q;
-    const int seqlen_k = params.seqlen_k;
+    const SeqBounds seq = kVarlenWindow ? seq_bounds(params, bidb)
+                                        : SeqBounds{params.seqlen_q, params.seqlen_k, 0, 0, -1, -1};
+    const int seqlen_q = seq.seqlen_q;
+    const int seqlen_k = seq.seqlen_k;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
     const int row0 = m_block * kBlockM;
+    if (kVarlenWindow && row0 >= seqlen_q) return;  // past this sequence's queries: nothing to write
     const int valid_rows = min(kBlockM, seqlen_q - row0);
 
     const Element* q = static_cast<const Element*>(params.q_ptr) + bidb * params.q_batch_stride +
-                       bidh * params.q_head_stride + row0 * params.q_row_stride;
+                       bidh * params.q_head_stride + (seq.q_row0 + row0) * params.q_row_stride;
     const int bidh_k = bidh / params.h_h_k_ratio;  // GQA/MQA: the kv head of this query head
-    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_k * params.k_head_stride;
-    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_k * params.v_head_stride;
+    const Element* k = static_cast<const Element*>(params.k_ptr) + bidb * params.k_batch_stride +
+                       bidh_k * params.k_head_stride + seq.k_row0 * params.k_row_stride;
+    const Element* v = static_cast<const Element*>(params.v_ptr) + bidb * params.v_batch_stride +
+                       bidh_k * params.v_head_stride + seq.k_row0 * params.v_row_stride;
     Element* o = static_cast<Element*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
-                 row0 * params.o_row_stride;
-    float* lse = params.lse_ptr + (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q + row0;
+                 (seq.q_row0 + row0) * params.o_row_stride;
+    float* lse = params.lse_ptr + (kVarlenWindow ? lse_row0(params, seq, bidb, bidh)
+                                                 : (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q) + row0;
 
+    int n_block_min = 0;
     int n_block_max = ceil_div(seqlen_k, kBlockN);
     if (kIsCausal) {
         // Blocks whose first key is beyond the last visible key of this block's last row are skipped.
         n_block_max = min(n_block_max, ceil_div(row0 + kBlockM + causal_offset, kBlockN));
     }
-    if (n_block_max <= 0) {  // every row of this block sees no key (causal, Tq > Tk)
+    if constexpr (kVarlenWindow) {
+        // Key blocks wholly right of the last row's window, or left of the first row's, are skipped.
+        if (seq.window_right >= 0) {
+            n_block_max = min(n_block_max, floor_div(row0 + valid_rows - 1 + causal_offset + seq.window_right, kBlockN) + 1);
+        }
+        if (seq.window_left >= 0) n_block_min = max(0, floor_div(row0 + causal_offset - seq.window_left, kBlockN));
+    }
+    if (n_block_max <= n_block_min) {  // every row of this block sees no key (causal with Tq > Tk, a window, Tk = 0)
         write_rows_without_keys<kBlockM, kHeadDim, kNThreads>(o, params.o_row_stride, lse, valid_rows, params.d);
         return;
     }
 
-    // Alg. 1 line 4: Q_i -> shared memory; line 7 for j = 0: K_0, V_0 -> stage 0. One commit group.
+    // Alg. 1 line 4: Q_i -> shared memory; line 7 for the first j: K_j, V_j -> stage 0. One commit group.
     copy_tile<kStepped, kBlockM, Tile, kNThreads>(sQ, q, params.q_row_stride, valid_rows, params.d);
-    copy_tile<kStepped, kBlockN, Tile, kNThreads>(sK, k, params.k_row_stride, seqlen_k, params.d);
-    copy_tile<kStepped, kBlockN, Tile, kNThreads>(sV, v, params.v_row_stride, seqlen_k, params.d);
+    const int first_key = n_block_min * kBlockN;
+    copy_tile<kStepped, kBlockN, Tile, kNThreads>(sK, k + first_key * params.k_row_stride, params.k_row_stride,
+                                                  seqlen_k - first_key, params.d);
+    copy_tile<kStepped, kBlockN, Tile, kNThreads>(sV, v + first_key * params.v_row_stride, params.v_row_stride,
+                                                  seqlen_k - first_key, params.d);
     cp_async_commit();
 
     // Alg. 1 line 5. Warp w owns kMTiles m16 row tiles: rows warp * kWarpRows + mt * 16 + {g, g + 8}
@@ -119,13 +148,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const float scale_log2 = params.scale_softmax_log2;
     const int g = lane / 4, t = lane % 4;
 
-    for (int n_block = 0; n_block < n_block_max; ++n_block) {
-        const int stage = n_block % Traits::kNStages;
+    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        // Stages count from the first visited block. The dense kernels keep `n_block` itself: written as
+        // n_block - 0, ptxas allocates the hd128 kernel's registers differently (20 more bytes of spill).
+        const int stage = (kVarlenWindow ? n_block - n_block_min : n_block) % Traits::kNStages;
         if (n_block + 1 < n_block_max) {
             // Alg. 1 line 7, prefetch of j+1 into the next stage while j computes. That stage was last
             // read in iteration j+1-kNStages: with 2 stages that is j-1, which ended with a barrier; with 3
             // it is j-2, and every warp has since passed the barrier at the top of iteration j-1.
-            const int next = (n_block + 1) % Traits::kNStages;
+            const int next = ((kVarlenWindow ? n_block - n_block_min : n_block) + 1) % Traits::kNStages;
             const int key0 = (n_block + 1) * kBlockN;
             copy_tile<kStepped, kBlockN, Tile, kNThreads>(
                 sK + next * Traits::kSmemKVTileElems, k + key0 * params.k_row_stride, params.k_row_stride,
@@ -138,7 +169,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         cp_async_wait<1>();
         __syncthreads();
 
-        if (Traits::kQInRegs && n_block == 0) {
+        if (Traits::kQInRegs && n_block == n_block_min) {
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -182,9 +213,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             }
         }
 
-        // Masking only where the tile crosses the sequence end or (causal) the diagonal.
+        // Masking only where the tile crosses the sequence end, (causal) the diagonal or (kVarlenWindow) an edge of
+        // the window of some row.
         const int key0 = n_block * kBlockN;
-        const bool need_mask = key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset);
+        bool need_mask = key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset);
+        if constexpr (kVarlenWindow) {
+            need_mask = need_mask ||
+                        (seq.window_right >= 0 && key0 + kBlockN - 1 > row0 + causal_offset + seq.window_right) ||
+                        (seq.window_left >= 0 && key0 < row0 + kBlockM - 1 + causal_offset - seq.window_left);
+        }
         if (need_mask) {
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
@@ -195,7 +232,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                     for (int e = 0; e < 4; ++e) {
                         const int col = key0 + i * kMmaN + 2 * t + (e & 1);
                         const int row = qrow + (e >= 2 ? 8 : 0);
-                        if (col >= seqlen_k || (kIsCausal && col > row + causal_offset)) s[mt][i][e] = -INFINITY;
+                        bool masked = col >= seqlen_k || (kIsCausal && col > row + causal_offset);
+                        if constexpr (kVarlenWindow) {
+                            masked = masked ||
+                                     (seq.window_right >= 0 && col > row + causal_offset + seq.window_right) ||
+                                     (seq.window_left >= 0 && col < row + causal_offset - seq.window_left);
+                        }
+                        if (masked) s[mt][i][e] = -INFINITY;
                     }
                 }
             }

@@ -19,6 +19,16 @@ cudaError_t launch_fwd(void (*kernel)(FwdParams), const FwdParams& params, cudaS
     return launch_kernel(kernel, grid, Traits::kNThreads, Traits::kSmemBytes, stream, params);
 }
 
+// The sm80 forward of the given Traits for this call: the dense non-causal or causal kernel, or, for varlen or
+// windowed calls (is_varlen_or_local), the kernel that reads per-sequence bounds and the window at run time.
+template <typename Traits>
+cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
+    if (is_varlen_or_local(params)) return launch_fwd<Traits>(&flash_fwd_kernel<Traits, false, true>, params, stream);
+    return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&] {
+        return launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream);
+    });
+}
+
 // The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN. It is
 // persistent (fwd_tile_scheduler.h): one block per SM, at most one per tile.
 template <typename Traits, bool kIsCausal>
@@ -55,15 +65,13 @@ cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     using OneBlock = typename OneBlockTraitsOf<Config>::type;
     using Smem99KiB = typename Smem99KiBTraitsOf<Config, OneBlock>::type;
     const FwdVariant variant = fwd_variant<Config>(params.smem_per_block_optin, params.smem_per_sm);
-    return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&]() -> cudaError_t {
-        if constexpr (!std::is_same_v<Smem99KiB, OneBlock>) {
-            if (variant == kFwdSmem99KiB) return launch_fwd<Smem99KiB>(&flash_fwd_kernel<Smem99KiB, kIsCausal>, params, stream);
-        }
-        if constexpr (!std::is_same_v<OneBlock, Traits>) {
-            if (variant != kFwdTraits) return launch_fwd<OneBlock>(&flash_fwd_kernel<OneBlock, kIsCausal>, params, stream);
-        }
-        return launch_fwd<Traits>(&flash_fwd_kernel<Traits, kIsCausal>, params, stream);
-    });
+    if constexpr (!std::is_same_v<Smem99KiB, OneBlock>) {
+        if (variant == kFwdSmem99KiB) return launch_fwd_sm80<Smem99KiB>(params, stream);
+    }
+    if constexpr (!std::is_same_v<OneBlock, Traits>) {
+        if (variant != kFwdTraits) return launch_fwd_sm80<OneBlock>(params, stream);
+    }
+    return launch_fwd_sm80<Traits>(params, stream);
 }
 
 }  // namespace flash

@@ -113,7 +113,42 @@ constexpr inline int64_t dq_accum_rows(int total_q, int b) {
     return dq_accum_row0(total_q, b);  // sequence b - 1's last tile ends at or before it
 }
 
+// Whether a call needs the kernels' per-sequence bounds (cu_seqlens) or the window: the binding sets window_left =
+// window_right = -1 for every other call, causal or not, so those keep the dense kernels.
 #ifdef __CUDACC__
+__host__ __device__
+#endif
+inline bool is_varlen_or_local(const FwdParams& p) {
+    return p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0;
+}
+
+#ifdef __CUDACC__
+// One sequence of a call: its lengths, its first row in q/o and in k/v ((B, T, H, D) tensors: 0, the batch stride
+// places it; varlen: cu_seqlens), and the window that applies to it, causal folded in as right = 0 (-1: unbounded).
+struct SeqBounds {
+    int seqlen_q, seqlen_k;
+    int q_row0, k_row0;
+    int window_left, window_right;
+    __device__ __forceinline__ int causal_offset() const { return seqlen_k - seqlen_q; }  // bottom-right alignment
+};
+__device__ __forceinline__ SeqBounds seq_bounds(const FwdParams& p, int batch) {
+    SeqBounds s{p.seqlen_q, p.seqlen_k, 0, 0, p.window_left, p.is_causal ? 0 : p.window_right};
+    if (p.cu_seqlens_q != nullptr) {
+        s.q_row0 = p.cu_seqlens_q[batch];
+        s.k_row0 = p.cu_seqlens_k[batch];
+        s.seqlen_q = p.cu_seqlens_q[batch + 1] - s.q_row0;
+        s.seqlen_k = p.cu_seqlens_k[batch + 1] - s.k_row0;
+    }
+    return s;
+}
+// Index of (batch, head, row 0 of the sequence) in lse / delta: (B, Hq, Tq), or (Hq, total_q) in varlen.
+__device__ __forceinline__ int64_t lse_row0(const FwdParams& p, const SeqBounds& s, int batch, int head) {
+    if (p.cu_seqlens_q != nullptr) return static_cast<int64_t>(head) * p.total_q + s.q_row0;
+    return (static_cast<int64_t>(batch) * p.h + head) * p.seqlen_q;
+}
+// floor(a / b) for b > 0 and any a (C++ division truncates toward zero).
+__host__ __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
+
 // Where a forward tile writes: O from row row0 of (batch, head), and those rows' LSE ((B, Hq, Tq), fp32). The
 // Hopper forward's tiles and empty tiles use it; the sm80 forward keeps its own lines, since with this helper its
 // hd64 kernel re-reads seqlen_q from the params (another register at 255) and is slower.
