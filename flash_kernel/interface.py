@@ -3,15 +3,25 @@
 Kernel: FlashAttention-2 (Dao, 2023), Algorithm 1 forward and Algorithm 2 backward, in flash_kernel/csrc.
 Here it becomes torch.library custom ops,
 
-    flash_kernel::fwd(q, k, v, softmax_scale, causal, deterministic) -> (o, lse)
-    flash_kernel::bwd(do, q, k, v, o, lse, softmax_scale, causal, deterministic) -> (dq, dk, dv)
-    flash_kernel::fwd_qkvpacked(qkv, softmax_scale, causal, deterministic) -> (o, lse)
-    flash_kernel::bwd_qkvpacked(do, qkv, o, lse, softmax_scale, causal, deterministic) -> dqkv
+    flash_kernel::fwd(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1) -> (o, lse)
+    flash_kernel::bwd(do, q, k, v, o, lse, softmax_scale, causal, deterministic, window_left=-1,
+                      window_right=-1) -> (dq, dk, dv)
+    flash_kernel::fwd_qkvpacked(qkv, softmax_scale, causal, deterministic, window_left=-1, window_right=-1) -> (o, lse)
+    flash_kernel::bwd_qkvpacked(do, qkv, o, lse, softmax_scale, causal, deterministic, window_left=-1,
+                                window_right=-1) -> dqkv
+    flash_kernel::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                             causal, window_left, window_right, deterministic) -> (o, lse)
+    flash_kernel::varlen_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k, o, lse, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal, window_left, window_right, deterministic) -> (dq, dk, dv)
 
 with fake (meta) implementations and autograd registered, so torch.compile(fullgraph=True) traces
 through them without graph breaks and torch.library.opcheck passes. The packed pair runs the same
 kernels on qkv (B, T, 3, H, D) and writes the gradient as one dqkv tensor (no stack of dq, dk, dv).
-`flash_attn_func` / `flash_attn_qkvpacked_func` are the user entries:
+The varlen pair takes packed sequences, FlashAttention's layout: q (total_q, Hq, D), k/v (total_k, Hkv, D),
+cu_seqlens (batch + 1,) int32 row offsets, lse (Hq, total_q). `window_size=(left, right)` is FlashAttention's
+sliding window: after the bottom-right alignment, query i sees key j iff i - left <= j <= i + right (-1:
+unbounded), intersected with causal. `flash_attn_func` / `flash_attn_qkvpacked_func` / `flash_attn_varlen_func`
+are the user entries:
 under torch.compile they call the ops; in eager mode they call the same kernels through a plain
 torch.autograd.Function, because torch.library's per-call layers (dispatch, aliasing checks, the
 registered autograd) cost about 0.4 ms of host time per forward + backward, more than the GPU time of a
@@ -231,29 +241,49 @@ def check_bwd_inputs(
         _fail(f"lse must be contiguous, got strides {tuple(lse.stride())}")
 
 
+def _check_window(window_size) -> tuple[int, int]:
+    """window_size = (left, right), ints >= -1 (-1: unbounded); raises ValueError naming it."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        _fail(f"window_size must be a pair (left, right), got {window_size!r}")
+    for name, w in (("left", left), ("right", right)):
+        if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+            _fail(f"window_size {name} = {w!r} is not an int >= -1 (-1: unbounded); got window_size={window_size!r}")
+    return left, right
+
+
 @torch.library.custom_op("flash_kernel::fwd", mutates_args=())
 def _fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` is unused by the forward (it is deterministic anyway); it is an input here so that
     # setup_context can hand it to the backward, which is registered on this op.
     check_inputs(q, k, v)
-    return _fwd_impl(q, k, v, softmax_scale, causal)
+    return _fwd_impl(q, k, v, softmax_scale, causal, deterministic, window_left, window_right)
 
 
-def _fwd_impl(q, k, v, softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(q, k, v, softmax_scale: float, causal: bool, deterministic: bool = False, window_left: int = -1,
+              window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel on checked inputs: o (B, Tq, Hq, D), lse (B, Hq, Tq) float32."""
     C = _load_C()
     B, seqlen_q, Hq, D = q.shape
     # Fresh contiguous outputs (not empty_like: q may be a strided view); the fake impl must match.
     o = torch.empty((B, seqlen_q, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, seqlen_q), dtype=torch.float32, device=q.device)
-    C.fwd(q, k, v, o, lse, softmax_scale, causal)
+    C.fwd(q, k, v, o, lse, softmax_scale, causal, window_left, window_right)
     return o, lse
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     check_inputs(q, k, v)
     B, seqlen_q, Hq, D = q.shape
     o = q.new_empty((B, seqlen_q, Hq, D))
@@ -272,30 +302,35 @@ def _bwd(
     softmax_scale: float,
     causal: bool,
     deterministic: bool,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_bwd_inputs(do, q, k, v, o, lse)
-    return _bwd_impl(do, q, k, v, o, lse, softmax_scale, causal, deterministic)
+    return _bwd_impl(do, q, k, v, o, lse, softmax_scale, causal, deterministic, window_left, window_right)
 
 
-def _bwd_impl(do, q, k, v, o, lse, softmax_scale: float, causal: bool, deterministic: bool):
+def _bwd_impl(do, q, k, v, o, lse, softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
+              window_right: int = -1):
     """The backward kernels on checked inputs: dq, dk, dv shaped like q, k, v."""
     C = _load_C()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    C.bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic)
+    C.bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic, window_left, window_right)
     return dq, dk, dv
 
 
 @_bwd.register_fake
-def _bwd_fake(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
+def _bwd_fake(do, q, k, v, o, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     check_bwd_inputs(do, q, k, v, o, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _kernel_friendly(t: torch.Tensor) -> bool:
     """The layout _check_strides accepts: contiguous last dim, 16-byte aligned rows."""
-    strides_ok = t.stride(-1) == 1 and all(t.shape[d] <= 1 or t.stride(d) % STRIDE_MULTIPLE == 0 for d in range(3))
+    strides_ok = t.stride(-1) == 1 and all(
+        t.shape[d] <= 1 or t.stride(d) % STRIDE_MULTIPLE == 0 for d in range(t.dim() - 1)
+    )
     # Dynamo cannot trace storage_offset() (a graph break); the op's real and fake impls check it instead.
     if torch.compiler.is_dynamo_compiling():
         return strides_ok
@@ -303,21 +338,24 @@ def _kernel_friendly(t: torch.Tensor) -> bool:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    # inputs: (q, k, v, ...) for fwd, (qkv, ...) for fwd_qkvpacked; then softmax_scale, causal, deterministic.
-    *tensors, softmax_scale, causal, deterministic = inputs
+    # inputs: the forward op's tensors (q, k, v or qkv; varlen: and cu_seqlens_q, cu_seqlens_k), then its
+    # non-tensor arguments, which its backward op takes in the same order after (do, *tensors, o, lse).
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     o, lse = output
     ctx.save_for_backward(*tensors, o, lse)
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.params = tuple(inputs[len(tensors):])
+    ctx.num_inputs = len(inputs)
 
 
 def _grads(bwd, ctx, do):
     """The inputs' gradients (dq, dk, dv, or dqkv) through `bwd` (an op or its implementation), and none for
-    the three non-tensor inputs."""
+    the other inputs."""
     *tensors, o, lse = ctx.saved_tensors
     if not _kernel_friendly(do):  # e.g. the expanded gradient of a .sum(): all strides 0
         do = do.contiguous()
-    grads = bwd(do, *tensors, o, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return (*(grads if isinstance(grads, tuple) else (grads,)), None, None, None)
+    grads = bwd(do, *tensors, o, lse, *ctx.params)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    return (*grads, *([None] * (ctx.num_inputs - len(grads))))
 
 
 def _backward(ctx, do, dlse):
@@ -345,16 +383,25 @@ def _check_qkv_packed(qkv: torch.Tensor) -> None:
 
 @torch.library.custom_op("flash_kernel::fwd_qkvpacked", mutates_args=())
 def _fwd_qkvpacked(
-    qkv: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+    qkv: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_qkv_packed(qkv)
     q, k, v = qkv.unbind(dim=2)
     check_inputs(q, k, v)
-    return _fwd_impl(q, k, v, softmax_scale, causal)
+    return _fwd_impl(q, k, v, softmax_scale, causal, deterministic, window_left, window_right)
+
+
+def _fwd_qkvpacked_impl(qkv, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(*qkv.unbind(dim=2), *args)
 
 
 @_fwd_qkvpacked.register_fake
-def _fwd_qkvpacked_fake(qkv, softmax_scale, causal, deterministic):
+def _fwd_qkvpacked_fake(qkv, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     _check_qkv_packed(qkv)
     return _fwd_fake(*qkv.unbind(dim=2), softmax_scale, causal, deterministic)
 
@@ -368,22 +415,26 @@ def _bwd_qkvpacked(
     softmax_scale: float,
     causal: bool,
     deterministic: bool,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> torch.Tensor:
     _check_qkv_packed(qkv)
     check_bwd_inputs(do, *qkv.unbind(dim=2), o, lse)
-    return _bwd_qkvpacked_impl(do, qkv, o, lse, softmax_scale, causal, deterministic)
+    return _bwd_qkvpacked_impl(do, qkv, o, lse, softmax_scale, causal, deterministic, window_left, window_right)
 
 
-def _bwd_qkvpacked_impl(do, qkv, o, lse, softmax_scale: float, causal: bool, deterministic: bool) -> torch.Tensor:
+def _bwd_qkvpacked_impl(do, qkv, o, lse, softmax_scale: float, causal: bool, deterministic: bool, window_left: int = -1,
+                        window_right: int = -1) -> torch.Tensor:
     """The backward kernels on checked inputs: dqkv (B, T, 3, H, D), dq / dk / dv written as its views."""
     C = _load_C()
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-    C.bwd(do, *qkv.unbind(dim=2), o, lse, *dqkv.unbind(dim=2), softmax_scale, causal, deterministic)
+    C.bwd(do, *qkv.unbind(dim=2), o, lse, *dqkv.unbind(dim=2), softmax_scale, causal, deterministic, window_left,
+          window_right)
     return dqkv
 
 
 @_bwd_qkvpacked.register_fake
-def _bwd_qkvpacked_fake(do, qkv, o, lse, softmax_scale, causal, deterministic):
+def _bwd_qkvpacked_fake(do, qkv, o, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     _check_qkv_packed(qkv)
     check_bwd_inputs(do, *qkv.unbind(dim=2), o, lse)
     return qkv.new_empty(qkv.shape)
@@ -396,45 +447,251 @@ def _backward_qkvpacked(ctx, do, dlse):
 _fwd_qkvpacked.register_autograd(_backward_qkvpacked, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------- varlen (packed sequences)
+# FlashAttention's varlen layout: the sequences of a batch back to back, q (total_q, Hq, D), k/v (total_k, Hkv, D);
+# sequence s holds rows cu_seqlens[s] .. cu_seqlens[s + 1] - 1 and attends only within itself (causal and window
+# per sequence, bottom-right aligned with its own lengths). lse is (Hq, total_q).
+
+
+def check_varlen_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    check_device: bool = True,
+) -> None:
+    """Validate the packed q (total_q, Hq, D), k/v (total_k, Hkv, D) and cu_seqlens of a varlen call; raises
+    ValueError naming the argument. The checks that need no values: cu_seqlens int32, on q's device, 1-D of one
+    length (batch + 1 >= 2) for q and k; max_seqlen ints >= 0. check_values_of_cu_seqlens does the rest.
+    check_device=False skips the CUDA-device checks, so the same checks run on CPU/meta tensors in tests."""
+    named = (("q", q), ("k", k), ("v", v))
+    for name, t in named + (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if check_device:
+        for name, t in named:
+            if t.device.type != "cuda":
+                _fail(f"{name} must be a CUDA tensor, got device '{t.device}'; move q, k, v to the GPU (.cuda())")
+    for name, t in named[1:] + (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.device != q.device:
+            _fail(f"{name} is on {t.device} but q is on {q.device}; q, k, v and cu_seqlens must be on one device")
+    for name, t in named:
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(f"{name} has dtype {t.dtype}; expected torch.float16 or torch.bfloat16 (cast, or use autocast)")
+        if t.dtype != q.dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k, v must share one dtype")
+        if t.dim() != 3:
+            _fail(f"{name} must have 3 dims (total, H, D) in the varlen layout, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        _fail(f"k and v must have the same shape (total_k, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    total_q, Hq, D = q.shape
+    if k.shape[2] != D:
+        _fail(f"k has head dim {k.shape[2]} but q has {D}; expected k (total_k, Hkv, D={D})")
+    Hkv = k.shape[1]
+    if Hq == 0 or Hkv == 0 or Hq % Hkv != 0:
+        _fail(f"q has {Hq} heads, not a multiple of the {Hkv} heads of k and v (GQA needs Hq % Hkv == 0)")
+    if D % HEAD_DIM_MULTIPLE != 0 or D > MAX_HEAD_DIM or D == 0:
+        _fail(f"q has head dim {D}; expected a multiple of {HEAD_DIM_MULTIPLE} in [8, {MAX_HEAD_DIM}] (pad the head dim)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32:
+            _fail(f"{name} has dtype {cu.dtype}; expected torch.int32 (pass {name}.to(torch.int32))")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            _fail(f"{name} must be 1-D of length batch + 1 >= 2 (0 first, then each sequence's end), got shape "
+                  f"{tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        _fail(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got {cu_seqlens_q.shape[0]} and "
+              f"{cu_seqlens_k.shape[0]}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        # SymInt: a size that torch.compile traces symbolically
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0:
+            _fail(f"{name} must be a Python int >= 0 (the longest sequence), got {m!r}")
+    for name, t in named:
+        _check_strides(name, t)
+
+
+_CHECKED_ATTR = "_flash_kernel_checked"  # a cu_seqlens tensor's (version, packed rows, max_seqlen) last found valid
+
+
+def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                               max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The values of a varlen call's cu_seqlens: 0 first, non-decreasing, the packed length (total_q / total_k) last,
+    no sequence longer than max_seqlen_q / max_seqlen_k; raises ValueError naming the tensor and the bad entry.
+
+    Reading them waits for the device, so this runs once per tensor and contents: a tensor that passed is marked
+    with its version counter (which every in-place write bumps) and its totals, and a later call on it with the same
+    ones skips the check. The model's layers share one cu_seqlens per batch, so a step checks it once, not per layer.
+    """
+    pending = [(name, cu, total, max_len)
+               for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k))
+               if getattr(cu, _CHECKED_ATTR, None) != (cu._version, total, max_len)]
+    if not pending:
+        return
+    # One small reduction per tensor and one device-to-host copy: first, last, min and max of the lengths.
+    stats = torch.stack([torch.stack([cu[0], cu[-1], (cu[1:] - cu[:-1]).min(), (cu[1:] - cu[:-1]).max()])
+                         for _, cu, _, _ in pending]).tolist()
+    for (name, cu, total, max_len), (first, last, shortest, longest) in zip(pending, stats):
+        seqlens = "cu_seqlens_q" if name.endswith("q") else "cu_seqlens_k"
+        which = "q" if name.endswith("q") else "k"
+        if first != 0:
+            _fail(f"{name}[0] is {first}; it must be 0 (the first sequence starts at row 0)")
+        if shortest < 0:
+            at = int(torch.nonzero(cu[1:] < cu[:-1])[0, 0]) + 1
+            _fail(f"{name} must be non-decreasing, but {name}[{at}] = {int(cu[at])} < {name}[{at - 1}] = "
+                  f"{int(cu[at - 1])}")
+        if last != total:
+            _fail(f"{name}[-1] is {last} but {which} has {total} rows; it must end at the packed length")
+        if longest > max_len:
+            _fail(f"a sequence of {seqlens} has {longest} rows, more than max_seqlen_{which} = {max_len}; pass the "
+                  f"longest sequence's length (or more)")
+        setattr(cu, _CHECKED_ATTR, (cu._version, total, max_len))
+
+
+def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_values_of_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+
+
+@torch.library.custom_op("flash_kernel::varlen_fwd", mutates_args=())
+def _varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                            window_left, window_right, deterministic)
+
+
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, deterministic):
+    """The forward kernel on checked varlen inputs: o (total_q, Hq, D), lse (Hq, total_q) float32."""
+    C = _load_C()
+    total_q, Hq, D = q.shape
+    o = torch.empty((total_q, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, total_q), dtype=torch.float32, device=q.device)
+    C.varlen_fwd(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                 window_left, window_right)
+    return o, lse
+
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, deterministic):
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    total_q, Hq, D = q.shape
+    return q.new_empty((total_q, Hq, D)), q.new_empty((Hq, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_kernel::varlen_bwd", mutates_args=())
+def _varlen_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_bwd_tensors(do, q, o, lse)
+    return _varlen_bwd_impl(do, q, k, v, cu_seqlens_q, cu_seqlens_k, o, lse, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, causal, window_left, window_right, deterministic)
+
+
+def _check_varlen_bwd_tensors(do, q, o, lse) -> None:
+    """do and o like q; lse float32 (Hq, total_q), contiguous, on q's device."""
+    for name, t in (("do", do), ("o", o)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            _fail(f"{name} must be like q ({q.dtype} {tuple(q.shape)} on {q.device}), got {got}")
+        _check_strides(name, t)
+    total_q, Hq, _ = q.shape
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (Hq, total_q)
+            or lse.device != q.device or not lse.is_contiguous()):
+        got = f"{lse.dtype} {tuple(lse.shape)}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        _fail(f"lse must be contiguous float32 of shape (Hq, total_q) = {(Hq, total_q)} on q's device, got {got}")
+
+
+def _varlen_bwd_impl(do, q, k, v, cu_seqlens_q, cu_seqlens_k, o, lse, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, deterministic):
+    """The backward kernels on checked varlen inputs: dq, dk, dv shaped like q, k, v."""
+    C = _load_C()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    C.varlen_bwd(do, q, k, v, o, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal, deterministic, window_left, window_right)
+    return dq, dk, dv
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(do, q, k, v, cu_seqlens_q, cu_seqlens_k, o, lse, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, deterministic):
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_bwd_tensors(do, q, o, lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _backward_varlen(ctx, do, dlse):
+    return _grads(_varlen_bwd, ctx, do)
+
+
+_varlen_fwd.register_autograd(_backward_varlen, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------- user entries
+
+
 class _EagerFlashAttention(torch.autograd.Function):
-    """flash_attn_func outside torch.compile: the ops' kernels, context and gradients without their dispatch
-    layers. Inputs were checked by flash_attn_func; the saved tensors by the forward; the binding checks all."""
+    """flash_attn_func (and the qkvpacked and varlen functions) outside torch.compile: the ops' kernels, context and
+    gradients without their dispatch layers. Inputs were checked by the user entry; the saved tensors by the forward;
+    the binding checks all. fwd_impl / bwd_impl: the pair of implementations, forward's inputs as the op's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
-        o, lse = _fwd_impl(q, k, v, softmax_scale, causal)
-        _setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic), (o, lse))
+    def forward(ctx, fwd_impl, bwd_impl, *inputs):
+        o, lse = fwd_impl(*inputs)
+        _setup_context(ctx, inputs, (o, lse))
+        ctx.bwd_impl = bwd_impl
         return o
 
     @staticmethod
     def backward(ctx, do):
-        return _grads(_bwd_impl, ctx, do)
+        return None, None, *_grads(ctx.bwd_impl, ctx, do)
 
 
-class _EagerFlashAttentionQKVPacked(torch.autograd.Function):
-    """flash_attn_qkvpacked_func outside torch.compile, as _EagerFlashAttention is for flash_attn_func."""
-
-    @staticmethod
-    def forward(ctx, qkv, softmax_scale, causal, deterministic):
-        o, lse = _fwd_impl(*qkv.unbind(dim=2), softmax_scale, causal)
-        _setup_context(ctx, (qkv, softmax_scale, causal, deterministic), (o, lse))
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        return _grads(_bwd_qkvpacked_impl, ctx, do)
-
-
-def _apply(op, eager_fn, tensors, head_dim: int, causal: bool, softmax_scale, deterministic: bool) -> torch.Tensor:
+def _run(op, fwd_impl, bwd_impl, args) -> torch.Tensor:
     """The op under torch.compile (traced through its fake impl and registered autograd) or a dispatch mode,
-    else eager_fn."""
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    args = (*tensors, float(softmax_scale), bool(causal), bool(deterministic))
+    else its implementations through _EagerFlashAttention."""
     # Dispatch modes (FlopCounterMode, FakeTensorMode) see the ops, not the eager path's direct kernel calls.
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return op(*args)[0]
-    return eager_fn.apply(*args)
+    return _EagerFlashAttention.apply(fwd_impl, bwd_impl, *args)
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    return float(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
 
 
 def flash_attn_func(
@@ -444,14 +701,19 @@ def flash_attn_func(
     causal: bool = True,
     softmax_scale: float | None = None,
     deterministic: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """FlashAttention-2: q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D), fp16/bf16 on CUDA -> o (B, Tq, Hq, D).
 
     causal is aligned bottom-right (query i sees keys j <= i + Tk - Tq); softmax_scale defaults to
     1/sqrt(D); deterministic=True makes the backward bitwise reproducible (no atomics, a little slower).
+    window_size=(left, right): sliding-window attention, query i sees keys i + Tk - Tq - left .. i + Tk - Tq + right
+    (-1: unbounded; causal makes right 0). Rows that see no key give o = 0.
     """
     check_inputs(q, k, v)
-    return _apply(_fwd, _EagerFlashAttention, (q, k, v), q.shape[-1], causal, softmax_scale, deterministic)
+    left, right = _check_window(window_size)
+    args = (q, k, v, _scale(softmax_scale, q.shape[-1]), bool(causal), bool(deterministic), left, right)
+    return _run(_fwd, _fwd_impl, _bwd_impl, args)
 
 
 def flash_attn_qkvpacked_func(
@@ -459,6 +721,7 @@ def flash_attn_qkvpacked_func(
     causal: bool = True,
     softmax_scale: float | None = None,
     deterministic: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """flash_attn_func on q, k, v = qkv.unbind(dim=2), qkv (B, T, 3, H, D) -> o (B, T, H, D).
 
@@ -467,6 +730,38 @@ def flash_attn_qkvpacked_func(
     """
     _check_qkv_packed(qkv)
     check_inputs(*qkv.unbind(dim=2))
-    return _apply(
-        _fwd_qkvpacked, _EagerFlashAttentionQKVPacked, (qkv,), qkv.shape[-1], causal, softmax_scale, deterministic
-    )
+    left, right = _check_window(window_size)
+    args = (qkv, _scale(softmax_scale, qkv.shape[-1]), bool(causal), bool(deterministic), left, right)
+    return _run(_fwd_qkvpacked, _fwd_qkvpacked_impl, _bwd_qkvpacked_impl, args)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """FlashAttention-2 on packed sequences (FlashAttention's flash_attn_varlen_func): q (total_q, Hq, D), k/v
+    (total_k, Hkv, D), cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) on q's device, [0, end of sequence 0, ...,
+    total] -> o (total_q, Hq, D).
+
+    Sequence s of q (rows cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1) attends only to sequence s of k and v, with
+    causal and window_size as in flash_attn_func on that pair alone (bottom-right aligned with its own lengths).
+    max_seqlen_q / max_seqlen_k: Python ints >= every sequence's length (they size the grid). Sequences may be empty;
+    a query row that sees no key gives o = 0 and zero gradients. The values of cu_seqlens are checked once per
+    tensor (check_values_of_cu_seqlens), which waits for the device that once.
+    """
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()):  # else the op's implementation checks
+        check_values_of_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    left, right = _check_window(window_size)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(softmax_scale, q.shape[-1]),
+            bool(causal), left, right, bool(deterministic))
+    return _run(_varlen_fwd, _varlen_fwd_impl, _varlen_bwd_impl, args)

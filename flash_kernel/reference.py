@@ -14,6 +14,9 @@ Conventions shared with the kernel (docs/CONTRACTS.md):
 - accumulation in float32 (float64 when the inputs are float64, for tight CPU tests); o/dq/dk/dv come
   back in the input dtype, lse in float32 (B, Hq, Tq).
 
+Varlen (packed sequences) and sliding windows: `naive_attention_varlen` and naive_attention's `window_size` are
+their per-sequence dense oracle (the tiled functions here cover the dense causal and full cases).
+
 Not the fast path: use it as the executable specification and as the attention of the CPU model tests.
 """
 
@@ -49,6 +52,23 @@ def _causal_mask(m0: int, m1: int, n0: int, n1: int, seqlen_q: int, seqlen_k: in
     rows = torch.arange(m0, m1, device=device)[:, None]
     cols = torch.arange(n0, n1, device=device)[None, :]
     return cols > rows + (seqlen_k - seqlen_q)  # (m1 - m0, n1 - n0)
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window_size: tuple[int, int] = (-1, -1),
+                 device=None) -> torch.Tensor:
+    """True where query i may see key j: FlashAttention's rule, after bottom-right alignment (i' = i + Tk - Tq),
+    i' - left <= j <= i' + right with -1 unbounded, and causal making right 0. (Tq, Tk) bool."""
+    left, right = window_size
+    if causal:
+        right = 0
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= cols <= rows + right
+    if left >= 0:
+        visible &= cols >= rows - left
+    return visible
 
 
 def _n_block_max(m1: int, seqlen_q: int, seqlen_k: int, block_n: int, causal: bool) -> int:
@@ -209,11 +229,12 @@ def naive_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     upcast: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The textbook oracle: materialises S = scale * Q K^T, masks, softmaxes, multiplies by V; differentiable.
 
-    Same conventions as the kernel (GQA, bottom-right causal, empty rows -> o = 0, lse = +inf, zero
-    gradients). upcast=True computes in float32 (float64 for float64 inputs): the accuracy reference.
+    Same conventions as the kernel (GQA, bottom-right causal, the sliding window of visible_keys, empty rows ->
+    o = 0, lse = +inf, zero gradients). upcast=True computes in float32 (float64 for float64 inputs): the accuracy reference.
     upcast=False computes in the input dtype: "what PyTorch gets in low precision", the error yardstick of
     the flash-attn test criterion. Returns o (B, Tq, Hq, D) and lse (B, Hq, Tq) in the compute dtype
     (lse at least float32).
@@ -227,8 +248,8 @@ def naive_attention(
     k_ = _expand_kv(_to_bhtd(k, dtype), Hq // Hkv)  # (B, Hq, Tk, D)
     v_ = _expand_kv(_to_bhtd(v, dtype), Hq // Hkv)  # (B, Hq, Tk, D)
     scores = (q_ * softmax_scale) @ k_.transpose(-1, -2)  # (B, Hq, Tq, Tk)
-    if causal:
-        mask = _causal_mask(0, seqlen_q, 0, seqlen_k, seqlen_q, seqlen_k, q.device)  # (Tq, Tk)
+    if causal or window_size != (-1, -1) or seqlen_k == 0:
+        mask = ~visible_keys(seqlen_q, seqlen_k, causal, window_size, q.device)  # (Tq, Tk)
         empty = mask.all(dim=-1)  # (Tq,) rows that see no key
         # Empty rows get finite scores (then a zero P), so neither forward nor autograd sees -inf - -inf.
         scores = scores.masked_fill(mask, -math.inf).masked_fill(empty[:, None], 0.0)
@@ -269,3 +290,32 @@ def reference_attn_func(
 ) -> torch.Tensor:
     """Differentiable tiled FA2 attention on any device: q (B, Tq, Hq, D), k/v (B, Tk, Hkv, D) -> o (B, Tq, Hq, D)."""
     return _ReferenceAttnFunction.apply(q, k, v, causal, softmax_scale, block_m, block_n)
+
+
+def naive_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """naive_attention per packed sequence, the oracle of flash_attn_varlen_func; differentiable.
+
+    q (total_q, Hq, D), k/v (total_k, Hkv, D), cu_seqlens (batch + 1,) -> o (total_q, Hq, D) and lse (Hq, total_q):
+    sequence s's rows of q attend to sequence s's rows of k and v alone, causal and window aligned with its own
+    lengths. Empty sequences contribute no rows.
+    """
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for s in range(len(bounds_q) - 1):
+        q_s = q[bounds_q[s]:bounds_q[s + 1]][None]  # (1, Tq_s, Hq, D)
+        k_s = k[bounds_k[s]:bounds_k[s + 1]][None]  # (1, Tk_s, Hkv, D)
+        v_s = v[bounds_k[s]:bounds_k[s + 1]][None]
+        o_s, lse_s = naive_attention(q_s, k_s, v_s, causal, softmax_scale, upcast, window_size)
+        outs.append(o_s[0])  # (Tq_s, Hq, D)
+        lses.append(lse_s[0])  # (Hq, Tq_s)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)  # (total_q, Hq, D), (Hq, total_q)

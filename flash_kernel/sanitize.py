@@ -1,6 +1,7 @@
 """Small checks of flash_kernel._C against plain PyTorch attention in fp32.
 
-  python3 -m flash_kernel.sanitize            tiny fwd+bwd cases (causal and not, odd lengths, GQA): the
+  python3 -m flash_kernel.sanitize            tiny fwd+bwd cases (causal and not, odd lengths, GQA, varlen and
+                                              sliding windows): the
                                               compute-sanitizer target (`compute-sanitizer --tool memcheck
                                               python3 -m flash_kernel.sanitize`, same with racecheck)
   python3 -m flash_kernel.sanitize --full     many shapes: dtypes, every head dim incl. 80, Tq != Tk,
@@ -24,6 +25,7 @@ import torch
 
 from flash_kernel import _C
 from flash_kernel.interface import set_kernel_overrides
+from flash_kernel.reference import naive_attention_varlen
 
 SLACK = 1e-3  # relative-error slack on top of 2x PyTorch's own low-precision error
 
@@ -137,6 +139,73 @@ def check_case(b, tq, tk, h, h_k, d, dtype, causal, fused=False, deterministic=F
     return ok
 
 
+def check_varlen_case(pairs, h, h_k, d, dtype, causal, window=(-1, -1), deterministic=False) -> bool:
+    """Packed sequences of (len_q, len_k) pairs through _C.varlen_fwd / varlen_bwd (a window too), checked as
+    check_case checks the dense calls, against flash_kernel.reference.naive_attention_varlen. A dense call with the
+    window rides along: the pairs' first (len_q, len_k), batch 2."""
+    torch.manual_seed(hash((tuple(pairs), h, h_k, d, causal, window)) % 2**31)
+    lens_q, lens_k = [p[0] for p in pairs], [p[1] for p in pairs]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype)  # (total_q, H, D)
+    k = torch.randn(sum(lens_k), h_k, d, device="cuda", dtype=dtype)  # (total_k, Hk, D)
+    v = torch.randn(sum(lens_k), h_k, d, device="cuda", dtype=dtype)
+    do = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(d)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
+    _C.varlen_fwd(q, k, v, o, lse, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal, *window)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    _C.varlen_bwd(do, q, k, v, o, lse, *grads, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal, deterministic,
+                  *window)
+    outs = {"o": o, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    refs = {}
+    for upcast in (True, False):
+        leaves = [(t.float() if upcast else t.clone()).requires_grad_() for t in (q, k, v)]
+        o_ref, lse_ref = naive_attention_varlen(*leaves, cu_q, cu_k, causal, scale, upcast, window)
+        o_ref.backward(do.to(o_ref.dtype))
+        refs[upcast] = {"o": o_ref.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad,
+                        "lse": lse_ref.detach().float()}
+    ok, msgs = True, []
+    for name, x in outs.items():
+        e, e_lp = rel_err(x, refs[True][name]), rel_err(refs[False][name], refs[True][name])
+        good = e <= 2 * e_lp + SLACK
+        ok &= good
+        msgs.append(f"{name} {e:.1e}/{e_lp:.1e}{'' if good else ' FAIL'}")
+    inf_ref = torch.isinf(refs[True]["lse"])
+    lse_ok = bool(torch.equal(torch.isinf(lse), inf_ref)) and not torch.isnan(lse).any().item()
+    if lse_ok and (~inf_ref).any():
+        lse_ok = (lse[~inf_ref] - refs[True]["lse"][~inf_ref]).abs().max().item() < 1e-2
+    ok &= lse_ok
+    msgs.append("lse ok" if lse_ok else "lse FAIL")
+    if window != (-1, -1) and pairs[0][0] > 0 and pairs[0][1] > 0:  # the same window on the dense kernels
+        tq, tk = pairs[0]
+        qd, kd, vd = (torch.randn(2, t, n, d, device="cuda", dtype=dtype) for t, n in ((tq, h), (tk, h_k), (tk, h_k)))
+        od = torch.full_like(qd, float("nan"))
+        lsed = torch.full((2, h, tq), float("nan"), device="cuda")
+        _C.fwd(qd, kd, vd, od, lsed, scale, causal, *window)
+        dgrads = [torch.full_like(t, float("nan")) for t in (qd, kd, vd)]
+        _C.bwd(torch.ones_like(qd), qd, kd, vd, od, lsed, *dgrads, scale, causal, deterministic, *window)
+        dense_ok = all(not torch.isnan(t).any().item() for t in (od, *dgrads))
+        ok &= dense_ok
+        msgs.append("dense window written" if dense_ok else "dense window NaN FAIL")
+    tag = f"varlen {pairs} h{h}/{h_k} d{d} {str(dtype)[6:]} causal={int(causal)} window={window}"
+    print(f"{'ok  ' if ok else 'FAIL'} {tag}: " + "  ".join(msgs), flush=True)
+    return ok
+
+
+def varlen_cases():
+    # Empty sequences, length 1, shorter than a tile, several tiles, unequal lengths; causal and windowed.
+    mixed = [(0, 0), (1, 1), (17, 40), (5, 0), (130, 130), (300, 257)]
+    return [
+        dict(pairs=mixed, h=2, h_k=1, d=64, dtype=torch.bfloat16, causal=True),
+        dict(pairs=mixed, h=2, h_k=2, d=128, dtype=torch.float16, causal=False, window=(50, 10)),
+        dict(pairs=[(300, 257), (0, 3), (129, 129)], h=2, h_k=1, d=96, dtype=torch.bfloat16, causal=True,
+             window=(64, 0), deterministic=True),
+        dict(pairs=[(200, 300), (1, 1)], h=2, h_k=1, d=256, dtype=torch.bfloat16, causal=False, window=(-1, 20)),
+    ]
+
+
 def tiny_cases():
     # Lengths span several K/V tiles so every shared-memory stage is refilled at least once.
     return [
@@ -241,9 +310,9 @@ def main(argv=None) -> int:
         return 0
     cases = full_cases() if args.full else tiny_cases()
     results = []
-    for c in cases:
+    for check, c in [(check_case, c) for c in cases] + [(check_varlen_case, c) for c in varlen_cases()]:
         try:
-            results.append(check_case(**c))
+            results.append(check(**c))
         except Exception as e:  # a failed launch or bad check counts as a failure, keep going
             print(f"FAIL {c}: {type(e).__name__}: {e}", flush=True)
             results.append(False)

@@ -214,12 +214,14 @@ def test_fake_impl_runs_the_input_checks():
 def _reference_C():
     """A stand-in for flash_kernel._C with the contract's signatures, writing into caller-allocated outputs."""
 
-    def fwd(q, k, v, o, lse, softmax_scale, causal):
+    def fwd(q, k, v, o, lse, softmax_scale, causal, window_left=-1, window_right=-1):
+        assert (window_left, window_right) == (-1, -1), "the tiled reference has no window"
         o_, lse_ = reference_fwd(q, k, v, causal, softmax_scale)
         o.copy_(o_)
         lse.copy_(lse_)
 
-    def bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic):
+    def bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
+        assert (window_left, window_right) == (-1, -1), "the tiled reference has no window"
         for out, g in zip((dq, dk, dv), reference_bwd(do, q, k, v, o, lse, causal, softmax_scale)):
             out.copy_(g)
 
