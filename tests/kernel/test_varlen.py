@@ -8,6 +8,7 @@ under both kernel paths: "default" (what a GPU picks) and "sm80" (kernel_overrid
 Hopper kernels are covered by the same cases wherever they take varlen calls.
 """
 
+import contextlib
 import math
 import random
 
@@ -18,11 +19,12 @@ import flash_kernel
 from flash_kernel import flash_attn_varlen_func
 from flash_kernel.interface import _load_C, kernel_overrides
 from flash_kernel.reference import naive_attention_varlen
-from test_flash_kernel import DTYPE_IDS, DTYPES, HEAD_DIMS, LSE_RTOL, assert_flash_close, max_err
+from test_flash_kernel import DTYPE_IDS, DTYPES, LSE_RTOL, SMEM_LIMITS, assert_flash_close, max_err
 
 pytestmark = pytest.mark.gpu
 
 PATHS = ["default", "sm80"]
+HEAD_DIMS = [32, 64, 80, 96, 128, 256]  # 80 runs the 96 kernels with zero-filled columns
 # (len_q, len_k) per sequence: empty sequences (q, k or both), length 1, shorter than one tile, several tiles, and
 # unequal q and k lengths either way (causal then leaves rows without keys, bottom-right aligned).
 MIXED = [(0, 0), (1, 1), (17, 17), (0, 5), (5, 0), (130, 130), (300, 257), (1, 300), (200, 45), (64, 64)]
@@ -30,6 +32,9 @@ WINDOWS = [(-1, -1), (37, 5), (0, 0)]
 
 
 def _path(path: str):
+    """"sm80": the mma.sync kernels on every GPU; "default": what the GPU picks; "current": the overrides as set."""
+    if path == "current":
+        return contextlib.nullcontext()
     return kernel_overrides(fwd="sm80", bwd="sm80") if path == "sm80" else kernel_overrides()
 
 
@@ -139,6 +144,15 @@ def test_varlen_deterministic_bitwise(D, window, path):
 def test_varlen_long_sequences(path):
     run_varlen([(2049, 2049), (1500, 3000), (3000, 1100)], 8, 2, 128, torch.bfloat16, True, (-1, -1), path)
     run_varlen([(2049, 2049), (1023, 1023)], 8, 2, 64, torch.bfloat16, False, (256, 0), path)
+
+
+@pytest.mark.parametrize("limit", sorted(SMEM_LIMITS))
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+def test_varlen_smaller_smem_configs(overrides, D, limit):
+    # The configs an A100 or an sm_86 / sm_89 GPU runs, chosen here by the max_smem_per_block override.
+    overrides(fwd="sm80", bwd="sm80", max_smem_per_block=SMEM_LIMITS[limit])
+    run_varlen(MIXED, 4, 2, D, torch.bfloat16, True, (37, 0), "current")
+    run_varlen(MIXED[:6], 2, 2, D, torch.float16, False, (-1, -1), "current", deterministic=True)
 
 
 def test_varlen_all_sequences_empty():
