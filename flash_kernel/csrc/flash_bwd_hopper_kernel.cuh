@@ -23,12 +23,20 @@
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
+// Varlen and sliding window (kVarlenOrLocal, its own instantiation; hopper_seqlen.h): the grid covers max_seqlen_k's
+// key blocks per sequence, and a block past its sequence's keys exits. Q, dO, K and V are read from the packed
+// tensors at rows offset by the sequence's start, so rows past its end hold the next sequence's data: queries past
+// len_q are masked (P = 0, so dS = 0 and nothing reaches dK, dV or dQ), as are keys past len_k and outside the
+// window; only the query blocks that see one of the block's keys are visited. dQ_i goes to the sequence's padded
+// rows of dq_accum (dq_accum_row0), dK and dV to the sequence's own rows.
 #pragma once
 
+#include <climits>
 #include <cmath>
 
 #include "flash_bwd_common.cuh"
 #include "hopper_bwd_traits.h"
+#include "hopper_seqlen.h"
 #include "hopper_tma.h"
 #include "utils.cuh"
 #include "wgmma.cuh"
@@ -40,7 +48,8 @@ struct BwdTensorMaps : QkvTensorMaps {
     CUtensorMap dO;
 };
 
-template <typename Traits, bool kIsCausal>
+// kVarlenOrLocal: the varlen / sliding-window kernel (kIsCausal false; causal is its window's right bound).
+template <typename Traits, bool kIsCausal, bool kVarlenOrLocal = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_hopper_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ BwdTensorMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -87,21 +96,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // key_row and key_row + 8 (K_j, dS^T, dK_j and dV_j rows).
     const int wg_row = ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
     const int key_row = wg * kWarpgroupRows + wg_row;
-    const int seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, d = params.d;
+    // kVarlenOrLocal: this block's sequence (its rows in the packed tensors, its lengths) and window.
+    SeqBounds sq{params.seqlen_q, params.seqlen_k, 0, 0, -1, -1};
+    if constexpr (kVarlenOrLocal) {  // through a shuffle, as wg: block-uniform values the compiler then keeps uniform
+        sq = seq_bounds(params, bidb);
+        sq.seqlen_q = __shfl_sync(0xffffffffu, sq.seqlen_q, 0);
+        sq.seqlen_k = __shfl_sync(0xffffffffu, sq.seqlen_k, 0);
+        sq.q_row0 = __shfl_sync(0xffffffffu, sq.q_row0, 0);
+        sq.k_row0 = __shfl_sync(0xffffffffu, sq.k_row0, 0);
+    }
+    const int batch_coord = kVarlenOrLocal ? tma_batch(params, bidb) : bidb;  // the tensor maps' batch coordinate
+    const KeyWindow window = key_window(params);
+    const int seqlen_q = sq.seqlen_q, seqlen_k = sq.seqlen_k, d = params.d;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
     const float scale_log2 = params.scale_softmax_log2;
     const int bidh_k = bidh / params.h_h_k_ratio;
     const int key0 = n_block * kBlockN;
+    if (kVarlenOrLocal && key0 >= seqlen_k) return;  // past this sequence's keys (the grid covers max_seqlen_k)
     const int valid_keys = min(kBlockN, seqlen_k - key0);
 
-    const int64_t row_base = (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;  // into (B, Hq, Tq)
+    const int64_t row_base = kVarlenOrLocal ? lse_row0(params, sq, bidb, bidh)
+                                            : (static_cast<int64_t>(bidb) * params.h + bidh) * seqlen_q;  // into (B, Hq, Tq)
     const float* lse = params.lse_ptr + row_base;
     const float* delta = params.delta_ptr + row_base;
-    float* dq_accum = params.dq_accum_ptr + row_base * params.d_rounded;
+    // Varlen: the sequence's padded rows of dq_accum ((Hq, dq_accum_rows, d_rounded), flash_params.h).
+    float* dq_accum = params.dq_accum_ptr + (kVarlenOrLocal && params.cu_seqlens_q != nullptr
+                                                 ? bidh * dq_accum_rows(params.total_q, params.b) + dq_accum_row0(sq.q_row0, bidb)
+                                                 : row_base) * params.d_rounded;
 
-    const int m_block_max = ceil_div(seqlen_q, kBlockM);
-    // Causal: query blocks that end before the first query seeing key0 contribute nothing.
-    const int m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
+    int m_block_min, m_block_max;
+    if constexpr (kVarlenOrLocal) {  // the query blocks that see one of keys [key0, key0 + valid_keys)
+        query_block_range<kBlockM>(window, causal_offset, seqlen_q, key0, key0 + valid_keys - 1, m_block_min, m_block_max);
+    } else {
+        m_block_max = ceil_div(seqlen_q, kBlockM);
+        // Causal: query blocks that end before the first query seeing key0 contribute nothing.
+        m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
+    }
 
     // Thread 0 issues the TMA loads, each arming its tile's "full" mbarrier with the tile's bytes.
     const bool loader = tid == 0;
@@ -120,8 +150,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto load_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         if (loader) {
-            tma_load_rows<kBlockM, kHeadDim>(sQ + stage * Traits::kSmemQBytes, &maps.q, row0, bidh, bidb, full_qdo(stage));
-            tma_load_rows<kBlockM, kHeadDim>(sdO + stage * Traits::kSmemQBytes, &maps.dO, row0, bidh, bidb, full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim>(sQ + stage * Traits::kSmemQBytes, &maps.q, sq.q_row0 + row0, bidh, batch_coord,
+                                             full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim>(sdO + stage * Traits::kSmemQBytes, &maps.dO, sq.q_row0 + row0, bidh, batch_coord,
+                                             full_qdo(stage));
         }
         load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, tid);
         cp_async_commit();
@@ -180,8 +212,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (loader) {
             prefetch_tensor_map(&maps.k);
             prefetch_tensor_map(&maps.v);
-            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, key0, bidh_k, bidb, full_kv);
-            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, key0, bidh_k, bidb, full_kv);
+            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
+            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
         }
         load_q_do(m_block_min, 0);
         if (m_block_min + 1 < m_block_max) load_q_do(m_block_min + 1, 1);
@@ -220,7 +252,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             wgmma_wait<1>();
             pin_registers(s);
         }
-        if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset)) {
+        if constexpr (kVarlenOrLocal) {
+            // Also queries past len_q: their Q and dO rows are the next sequence's, not zeros.
+            if (key0 + kBlockN > seqlen_k || query0 + kBlockM > seqlen_q || key0 + kBlockN - 1 > query0 + causal_offset + window.right ||
+                key0 < query0 + kBlockM - 1 + causal_offset - window.left) {
+                // Element (i, e) is key `key` and query q_e + 8i. It is visible iff lo_e <= 8i <= hi_e, from
+                // key - right <= q + co (the window's right side), q + co - left <= key, q < len_q, and key < len_k:
+                // two compares per element against per-thread bounds.
+                int lo[4], hi[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + key_row + (e >= 2 ? 8 : 0);
+                    const int q_e = query0 + 2 * t + (e & 1);
+                    lo[e] = key >= seqlen_k ? INT_MAX : key - causal_offset - window.right - q_e;
+                    hi[e] = min(seqlen_q - 1, key - causal_offset + window.left) - q_e;
+                }
+#pragma unroll
+                for (int i = 0; i < kNTilesM; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (i * kMmaN < lo[e] || i * kMmaN > hi[e]) s[4 * i + e] = -INFINITY;
+                    }
+                }
+            }
+        } else if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > query0 + causal_offset)) {
 #pragma unroll
             for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
@@ -351,9 +406,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     __syncthreads();
     Element* dk = static_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh * params.dk_head_stride +
-                  key0 * params.dk_row_stride;
+                  (sq.k_row0 + key0) * params.dk_row_stride;
     Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
-                  key0 * params.dv_row_stride;
+                  (sq.k_row0 + key0) * params.dv_row_stride;
     store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dk, smem, params.dk_row_stride, valid_keys, d);
     store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride, valid_keys, d);
     if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads

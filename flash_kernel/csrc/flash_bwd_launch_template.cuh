@@ -12,15 +12,22 @@
 namespace flash {
 
 // Alg. 2 lines 6-20 on sm_90a (flash_bwd_hopper_kernel.cuh): one thread block per (K/V block, head, batch).
-// Q, dO, K and V are read through tensor maps (TMA).
+// Q, dO, K and V are read through tensor maps (TMA). Varlen and windowed calls run the kVarlenOrLocal kernel,
+// over max_seqlen_k's key blocks per sequence.
 template <typename Traits>
 cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     using Element = typename Traits::Element;
     constexpr int kM = Traits::kBlockM, kN = Traits::kBlockN;
+    if (p.seqlen_k == 0) return cudaSuccess;  // no keys: dK and dV are empty, dQ stays 0 (zeroed dq_accum)
     BwdTensorMaps maps;
     FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<Element, kM, kN>(&maps, p)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM>(&maps.dO, p.do_ptr, p.d, p.seqlen_q, p.h, p.b, p.do_row_stride,
+    const TileMapRows rows = tile_map_rows(p);
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM>(&maps.dO, p.do_ptr, p.d, rows.q, p.h, rows.batches, p.do_row_stride,
                                                       p.do_head_stride, p.do_batch_stride)));
+    if (is_varlen_or_local(p)) {
+        return launch_kernel(&flash_bwd_hopper_kernel<Traits, false, true>, dim3(ceil_div(p.seqlen_k, kN), p.h, p.b),
+                             Traits::kNThreads, Traits::kSmemBytes, stream, p, maps);
+    }
     return FLASH_BOOL_SWITCH(p.is_causal, kIsCausal, [&]() -> cudaError_t {
         const dim3 grid(ceil_div(p.seqlen_k, kN), p.h, p.b);
         return launch_kernel(&flash_bwd_hopper_kernel<Traits, kIsCausal>, grid, Traits::kNThreads, Traits::kSmemBytes,

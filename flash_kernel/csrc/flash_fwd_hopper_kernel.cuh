@@ -22,6 +22,13 @@
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
 //     the others finish this one. O is stored straight from the accumulators (sQ holds the next Q by then).
+//   - Varlen and sliding window (kVarlenOrLocal, its own instantiation: the dense kernels keep their code): tiles
+//     of (query block, head, sequence) whose rows and key blocks come from cu_seqlens and the window
+//     (hopper_seqlen.h, fwd_local_tile). TMA reads the packed tensors at rows offset by the sequence's start; rows
+//     of K past the sequence's end are the next sequence's keys and are masked like the window's bounds; only key
+//     blocks that some row of the tile sees are loaded and computed. The producer hands each tile's bounds to the
+//     consumers with its index; tiles whose rows see no key are skipped, and those rows (O = 0, LSE = +inf) are
+//     written after the main tiles.
 #pragma once
 
 #include <cmath>
@@ -29,6 +36,7 @@
 #include "flash_params.h"
 #include "fwd_tile_scheduler.h"
 #include "hopper_kernel_traits.h"
+#include "hopper_seqlen.h"
 #include "hopper_tma.h"
 #include "utils.cuh"
 #include "wgmma.cuh"
@@ -40,7 +48,8 @@ constexpr int kBarTurnWg0 = 1;  // + wg: "warpgroup wg may issue its matmuls"
 // A turn barrier: the warpgroup whose turn it is syncs, the one before it arrives.
 constexpr int kTurnBarThreads = 2 * kWarpgroupThreads;
 
-template <typename Traits, bool kIsCausal>
+// kVarlenOrLocal: the varlen / sliding-window kernel (kIsCausal false; causal is its window's right bound).
+template <typename Traits, bool kIsCausal, bool kVarlenOrLocal = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     flash_fwd_hopper_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ QkvTensorMaps maps,
                             const __grid_constant__ FwdTiles tiles) {
@@ -75,7 +84,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto empty_k = [&](int stage) { return bars + 8 * (2 * kNStages + stage); };
     auto empty_v = [&](int stage) { return bars + 8 * (3 * kNStages + stage); };
     // The tiles' indices, from the producer (fwd_tile_scheduler.h) to the consumers: the tile_iter-th in slot
-    // tile_iter % kNTileSlots, with a full and an empty mbarrier per slot.
+    // tile_iter % kNTileSlots, with a full and an empty mbarrier per slot. kVarlenOrLocal: the tile's LocalTile, a
+    // slot of kLocalTileInts ints (the launch adds their bytes to the shared memory).
+    static_assert(!(kIsCausal && kVarlenOrLocal), "the varlen / local kernel takes causal as its window");
+    constexpr int kSlotInts = kVarlenOrLocal ? kLocalTileInts : 1;
     auto full_tile = [&](int slot) { return empty_q + 8 + 8 * slot; };
     auto empty_tile = [&](int slot) { return empty_q + 8 + 8 * (kNTileSlots + slot); };
     volatile int* tile_slots = reinterpret_cast<volatile int*>(smem + Traits::kSmemTileBytes + 8 * Traits::kNMbarriers);
@@ -111,19 +123,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // has running index kv = kv_base + n_block, lives in stage kv % kNStages and completes its barriers' phase
     // kv / kNStages.
     // (Producer.) K or V tile n_block of (head_k, batch), running index kv, once every consumer released the tile its
-    // stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers.
+    // stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers. key0: the
+    // sequence's first row (varlen), else 0.
     auto load = [&](const CUtensorMap* map, uint32_t stage_tiles, uint32_t full, uint32_t empty, int kv, int n_block,
-                    int head_k, int batch) {
+                    int head_k, int batch, int key0) {
         const int stage = kv % kNStages;
         if (kv >= kNStages) mbarrier_wait(empty + 8 * stage, (kv / kNStages - 1) & 1);
-        tma_load_rows<kBlockN, kHeadDim>(stage_tiles + stage * Traits::kSmemKVTileBytes, map, n_block * kBlockN, head_k,
-                                         batch, full + 8 * stage);
+        tma_load_rows<kBlockN, kHeadDim>(stage_tiles + stage * Traits::kSmemKVTileBytes, map, key0 + n_block * kBlockN,
+                                         head_k, batch, full + 8 * stage);
     };
-    auto load_k = [&](int kv, int n_block, int head_k, int batch) {
-        load(&maps.k, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch);
+    auto load_k = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
+        load(&maps.k, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch, key0);
     };
-    auto load_v = [&](int kv, int n_block, int head_k, int batch) {
-        load(&maps.v, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch);
+    auto load_v = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
+        load(&maps.v, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch, key0);
     };
     // The key blocks of the tile whose first row is row0: all of them, or causal up to the diagonal of its last row
     // (>= 1: fwd_tiles).
@@ -143,6 +156,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         if (tid != kNConsumerThreads) return;
         int kv = 0;  // K/V tiles loaded before the current tile
         for (int tile = blockIdx.x, tile_iter = 0;; ++tile_iter) {
+            if constexpr (kVarlenOrLocal) {
+                // The next tile with a key block; its bounds go to the consumers in the slot.
+                LocalTile lt{};
+                for (; tile < tiles.num_tiles; tile = fwd_next_tile<false, true>(params, tile)) {
+                    lt = fwd_local_tile<kBlockM, kBlockN>(tiles, params, tile);
+                    if (lt.n_min < lt.n_max) break;
+                }
+                lt.tile = tile;
+                const int slot = tile_iter % kNTileSlots;
+                if (tile_iter >= kNTileSlots) mbarrier_wait(empty_tile(slot), (tile_iter / kNTileSlots - 1) & 1);
+                const int fields[kLocalTileInts] = {lt.tile, lt.head, lt.batch, lt.row0, lt.n_min, lt.n_max,
+                                                    lt.q0,   lt.k0,   lt.len_q, lt.len_k};
+#pragma unroll
+                for (int f = 0; f < kLocalTileInts; ++f) tile_slots[slot * kSlotInts + f] = fields[f];
+                mbarrier_arrive(full_tile(slot));
+                if (tile >= tiles.num_tiles) return;
+                const int head_k = tiles.q_per_kv_head.div(lt.head);
+                const int batch = tma_batch(params, lt.batch);
+                const int n_blocks = lt.n_max - lt.n_min;
+                load_k(kv, lt.n_min, head_k, batch, lt.k0);
+                if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
+                tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, lt.q0 + lt.row0, lt.head, batch, full_q);
+                for (int j = 0; j < n_blocks; ++j) {
+                    if (j > 0) load_k(kv + j, lt.n_min + j, head_k, batch, lt.k0);
+                    load_v(kv + j, lt.n_min + j, head_k, batch, lt.k0);
+                }
+                kv += n_blocks;
+                tile = fwd_next_tile<false, true>(params, tile);
+                continue;
+            }
             const int slot = tile_iter % kNTileSlots;
             if (tile_iter >= kNTileSlots) mbarrier_wait(empty_tile(slot), (tile_iter / kNTileSlots - 1) & 1);
             tile_slots[slot] = tile;
@@ -164,13 +207,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
     setmaxnreg_inc<Traits::kConsumerRegs>();
 
-    // A consumer reads the tile_iter-th tile's index from the producer and frees its slot.
+    // A consumer reads the tile_iter-th tile's index (kVarlenOrLocal: its LocalTile) from the producer and frees its
+    // slot.
     auto read_tile = [&](int tile_iter) {
         const int slot = tile_iter % kNTileSlots;
         mbarrier_wait(full_tile(slot), (tile_iter / kNTileSlots) & 1);
-        const int t = tile_slots[slot];
+        LocalTile lt;
+        lt.tile = tile_slots[slot * kSlotInts];
+        if constexpr (kVarlenOrLocal) {
+            volatile int* f = tile_slots + slot * kSlotInts;
+            lt = {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]};
+        }
         mbarrier_arrive(empty_tile(slot));
-        return t;
+        return lt;
     };
 
     // Warpgroup wg owns block rows [64 wg, 64 wg + 64); inside it warp w owns 16 rows, and this
@@ -208,9 +257,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     };
     // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
     // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
+    // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
+    int local_len_k = 0, local_co = 0;
     auto softmax = [&](int n_block, int row0) {
         const int key0 = n_block * kBlockN;
-        if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset)) {
+        if constexpr (kVarlenOrLocal) {
+            // Row r sees keys [key_lo, key_hi) (hopper_seqlen.h); a block wholly inside every row's range is not masked.
+            const KeyWindow w = tiles.window;
+            if (key0 + kBlockN > local_len_k || key0 + kBlockN - 1 > row0 + local_co + w.right ||
+                key0 < row0 + kBlockM - 1 + local_co - w.left) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = row0 + my_row + 8 * r;
+                    const int hi = key_hi(w, local_co, local_len_k, row) - key0 - 2 * t;
+                    const int lo = key_lo(w, local_co, row) - key0 - 2 * t;
+#pragma unroll
+                    for (int i = 0; i < kNTilesN; ++i) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            if (i * kMmaN + e >= hi || i * kMmaN + e < lo) s[4 * i + 2 * r + e] = -INFINITY;
+                        }
+                    }
+                }
+            }
+        } else if (key0 + kBlockN > seqlen_k || (kIsCausal && key0 + kBlockN - 1 > row0 + causal_offset)) {
             // Row r sees keys below min(seqlen_k, row + causal_offset + 1). As an offset from this thread's first column
             // of the block, that is one limit per row, and each element's column offset 8i + e is a constant: one
             // compare and one select per element.
@@ -267,17 +337,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kNWarpgroups = Traits::kNWarpgroups;
     const int my_turn = kBarTurnWg0 + wg;
     const int next_turn = kBarTurnWg0 + (wg == kNWarpgroups - 1 ? 0 : wg + 1);
-    int tile = read_tile(0);  // blockIdx.x < num_tiles: the launch runs min(SMs, num_tiles) blocks
+    LocalTile cur = read_tile(0);  // dense: blockIdx.x < num_tiles (the launch runs min(SMs, num_tiles) blocks)
+    int tile = cur.tile;
     int kv_base = 0;          // K/V tiles this block consumed before the current tile
     int tile_iter = 0;        // tiles this block finished before the current one
-    if (wg == kNWarpgroups - 1) named_barrier_arrive(kBarTurnWg0, kTurnBarThreads);
+    // kVarlenOrLocal: the producer may have skipped every tile of this block.
+    const bool any_tile = !kVarlenOrLocal || tile < tiles.num_tiles;
+    if (any_tile && wg == kNWarpgroups - 1) named_barrier_arrive(kBarTurnWg0, kTurnBarThreads);
 
-    while (true) {
-        const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, tile);
-        const int bidh = coord.head, bidb = coord.batch;
-        const BlockRows rows = fwd_block_rows<kBlockM>(tiles, coord.block, seqlen_q);
+    while (any_tile) {
+        // This tile's head, batch, rows and key blocks [n_min, n_min + n_block_max); n_block below counts from n_min.
+        int bidh, bidb, n_min = 0, n_block_max, q0 = 0;
+        BlockRows rows;
+        if constexpr (kVarlenOrLocal) {
+            bidh = cur.head;
+            bidb = cur.batch;
+            rows = {cur.row0, cur.row0 < 0 ? -cur.row0 : 0, kBlockM};
+            n_min = cur.n_min;
+            n_block_max = cur.n_max - cur.n_min;
+            q0 = cur.q0;
+            local_len_k = cur.len_k;
+            local_co = cur.len_k - cur.len_q;
+        } else {
+            const BlockCoord coord = fwd_tile_coord<kIsCausal>(tiles, tile);
+            bidh = coord.head;
+            bidb = coord.batch;
+            rows = fwd_block_rows<kBlockM>(tiles, coord.block, seqlen_q);
+            n_block_max = key_blocks(rows.row0);
+        }
         const int row0 = rows.row0;
-        const int n_block_max = key_blocks(row0);
         auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
         auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
 #pragma unroll
@@ -297,7 +385,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         pin_registers(s);
         mbarrier_arrive(empty_k(stage_of(0)));
         if (n_block_max == 1) mbarrier_arrive(empty_q);
-        softmax(0, row0);
+        softmax(n_min, row0);
 
         // Turn j: O += P_{j-1} V_{j-1} and S_j, then the softmax of S_j while the other warpgroup's turn runs.
         for (int n_block = 1; n_block < n_block_max; ++n_block) {
@@ -316,7 +404,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             mbarrier_arrive(empty_v(prev));
             mbarrier_arrive(empty_k(stage));
             if (n_block == n_block_max - 1) mbarrier_arrive(empty_q);
-            softmax(n_block, row0);
+            softmax(n_min + n_block, row0);
         }
 
         // Last turn: O += P_last V_last. The producer has published the next tile a turn or more ago and is loading
@@ -327,8 +415,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         wgmma_fence();
         issue_pv(last);
         wgmma_commit();
-        const int next = read_tile(tile_iter + 1);
-        const bool more = next < tiles.num_tiles;
+        const LocalTile next = read_tile(tile_iter + 1);
+        const bool more = next.tile < tiles.num_tiles;
         if (wg < kNWarpgroups - 1 || more) named_barrier_arrive(next_turn, kTurnBarThreads);
         wgmma_wait<0>();
         pin_registers(acc_o);
@@ -338,7 +426,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's
         // store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
         // The tile stores its rows [rows.first, rows.end); out points at the first of them.
-        const FwdOutRows<Element> out = fwd_out_rows<Element>(params, bidb, bidh, row0 + rows.first);
+        FwdOutRows<Element> out;
+        if constexpr (kVarlenOrLocal) {
+            SeqBounds seq{};
+            seq.q_row0 = q0;  // the one field local_out_rows reads
+            out = local_out_rows<Element>(params, seq, bidb, bidh, row0 + rows.first);
+        } else {
+            out = fwd_out_rows<Element>(params, bidb, bidh, row0 + rows.first);
+        }
         Element* o = out.o;
         float* lse = out.lse;
 #pragma unroll
@@ -360,9 +455,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             }
         }
         if (!more) break;
-        tile = next;
+        cur = next;
+        tile = next.tile;
         kv_base += n_block_max;
         ++tile_iter;
+    }
+
+    // kVarlenOrLocal: per sequence, the rows of the tiles the producer skipped (keyless_tile_rows), every head. A
+    // sequence per block: one look at cu_seqlens per block at most, usually no rows.
+    if constexpr (kVarlenOrLocal) {
+        for (int batch = static_cast<int>(blockIdx.x); batch < params.b; batch += static_cast<int>(gridDim.x)) {
+            const SeqBounds sq = seq_bounds(params, batch);
+            const int skipped = keyless_tile_rows<kBlockM>(tiles.window, sq.seqlen_q, sq.seqlen_k);  // rows [0, skipped)
+            for (int head = 0; head < params.h; ++head) {
+                for (int r0 = 0; r0 < skipped; r0 += kBlockM) {
+                    const FwdOutRows<Element> out = local_out_rows<Element>(params, sq, batch, head, r0);
+                    write_rows_without_keys<kBlockM, kHeadDim, kNConsumerThreads>(out.o, params.o_row_stride, out.lse,
+                                                                                 imin(kBlockM, skipped - r0), params.d);
+                }
+            }
+        }
     }
 
     // Causal with Tq > Tk: the query blocks that see no key, after the main tiles.

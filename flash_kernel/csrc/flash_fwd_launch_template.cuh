@@ -30,33 +30,50 @@ cudaError_t launch_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
 }
 
 // The Hopper kernel reads Q, K and V through tensor maps: Q in boxes of kBlockM rows, K and V of kBlockN. It is
-// persistent (fwd_tile_scheduler.h): one block per SM, at most one per tile.
-template <typename Traits, bool kIsCausal>
+// persistent (fwd_tile_scheduler.h): one block per SM, at most one per tile. kVarlenOrLocal: the varlen /
+// sliding-window kernel, whose tile slots hold each tile's bounds (LocalTile), and which takes its tiles from
+// p.tile_counter where the caller passes one.
+template <typename Traits, bool kIsCausal, bool kVarlenOrLocal = false>
 cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     if (kIsCausal && p.tile_counter == nullptr) return cudaErrorInvalidValue;  // the caller owns the zeroed counter
-    QkvTensorMaps maps;
-    FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
-    const FwdTiles tiles = fwd_tiles<Traits::kBlockM>(p);
-    return launch_kernel(&flash_fwd_hopper_kernel<Traits, kIsCausal>, dim3(std::min(p.num_sms, tiles.num_tiles)),
-                         Traits::kNThreads, Traits::kSmemBytes, stream, p, maps, tiles);
+    if constexpr (kVarlenOrLocal) {
+        if (p.seqlen_q == 0) return cudaSuccess;  // every sequence is empty: no rows to write
+        QkvTensorMaps maps;
+        FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
+        const FwdTiles tiles = fwd_local_tiles<Traits::kBlockM>(p);
+        constexpr int kSmemBytes = Traits::kSmemBytes + 4 * Traits::kNTileSlots * (kLocalTileInts - 1);
+        static_assert(kSmemBytes <= kMaxSmemBytesSm90, "the varlen / local tile slots must fit beside the tiles");
+        return launch_kernel(&flash_fwd_hopper_kernel<Traits, false, true>, dim3(std::min(p.num_sms, tiles.num_tiles)),
+                             Traits::kNThreads, kSmemBytes, stream, p, maps, tiles);
+    } else {
+        QkvTensorMaps maps;
+        FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN>(&maps, p)));
+        const FwdTiles tiles = fwd_tiles<Traits::kBlockM>(p);
+        return launch_kernel(&flash_fwd_hopper_kernel<Traits, kIsCausal>, dim3(std::min(p.num_sms, tiles.num_tiles)),
+                             Traits::kNThreads, Traits::kSmemBytes, stream, p, maps, tiles);
+    }
 }
 
 // The Hopper kernel of HopperFwdConfig for this input: ShortTraits below kLongKeys keys, Traits from there
 // (hopper_kernel_traits.h).
-template <typename Config, bool kIsCausal>
+template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
 cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
     if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
-        if (params.seqlen_k < Config::kLongKeys) return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal>(params, stream);
+        if (params.seqlen_k < Config::kLongKeys) {
+            return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);
+        }
     }
-    return launch_fwd_hopper<typename Config::Traits, kIsCausal>(params, stream);
+    return launch_fwd_hopper<typename Config::Traits, kIsCausal, kVarlenOrLocal>(params, stream);
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_fwd_(const FwdParams& params, cudaStream_t stream) {
     if constexpr (HopperFwdConfig<kHeadDim, Element>::kAvailable) {
         if (params.use_sm90) {
+            using HopperConfig = HopperFwdConfig<kHeadDim, Element>;
+            if (is_varlen_or_local(params)) return launch_fwd_hopper_config<HopperConfig, false, true>(params, stream);
             return FLASH_BOOL_SWITCH(params.is_causal, kIsCausal, [&] {
-                return launch_fwd_hopper_config<HopperFwdConfig<kHeadDim, Element>, kIsCausal>(params, stream);
+                return launch_fwd_hopper_config<HopperConfig, kIsCausal>(params, stream);
             });
         }
     }

@@ -20,12 +20,20 @@
 // fills them with zeros as it does rows past Tq, and they are never stored.
 // Tiles are numbered over the query blocks that see a key. In a causal grid with Tq > Tk the first m_first blocks
 // of every head see none (O = 0, LSE = +inf); the blocks write those after their main tiles.
+//
+// Varlen / sliding window (kVarlenOrLocal, hopper_seqlen.h): tiles are (query block, head, sequence) over
+// ceil(max_seqlen_q / kBlockM) blocks per (sequence, head), in the causal order above (longest first, heads in
+// groups), from a counter when the launch passes one, else round robin. Every sequence's blocks end at its last
+// query, so rank r (0: the last block) covers rows len_q - (r + 1) kBlockM .. len_q - r kBlockM - 1; ranks past a
+// sequence's blocks, and blocks whose rows see no key, are skipped by the producer (fwd_local_tile), and the rows
+// without keys are written after the main tiles.
 #pragma once
 
 #include <algorithm>
 
 #include "causal_order.h"
 #include "flash_params.h"
+#include "hopper_seqlen.h"
 #include "utils.cuh"
 
 namespace flash {
@@ -42,6 +50,7 @@ struct FwdTiles {
     FastDiv blocks;               // non-causal: n_blocks
     FastDiv heads;                // non-causal: h
     FastDiv q_per_kv_head;        // h / h_k (GQA / MQA): query head i reads kv head i / h_h_k_ratio
+    KeyWindow window;             // kVarlenOrLocal: the keys each query sees (hopper_seqlen.h)
 };
 
 // Host: the launch's grid and the kernel's argument.
@@ -59,6 +68,28 @@ inline FwdTiles fwd_tiles(const FwdParams& p) {
     t.blocks = FastDiv(t.n_blocks);
     t.heads = FastDiv(p.h);
     t.q_per_kv_head = FastDiv(p.h_h_k_ratio);
+    t.window = key_window(p);
+    return t;
+}
+
+// Host: the tiles of the varlen / sliding-window kernel (seqlen_q >= 1: max_seqlen_q, or Tq).
+template <int kBlockM>
+inline FwdTiles fwd_local_tiles(const FwdParams& p) {
+    FwdTiles t{};
+    t.n_blocks = ceil_div(p.seqlen_q, kBlockM);
+    t.num_tiles = t.n_blocks * p.h * p.b;
+    // Heads in L2-sized groups as in the causal order (causal_order.h), sized by max_seqlen_k's K and V: without them,
+    // the tiles running together would read as many sequences' K and V as there are SMs (on an H200, 0.87x the dense
+    // kernel's speed at hd128, 8 x 2k documents, non-causal; 0.98x with them).
+    const int pairs = p.h * p.b;
+    const int group = p.causal_group_heads > 0
+                          ? p.causal_group_heads
+                          : causal_group_heads(2 * int64_t{p.seqlen_k} * p.d * 2 / p.h_h_k_ratio, pairs);  // 16-bit K, V
+    t.causal = causal_order<FastDiv>(t.n_blocks, p.h, pairs, std::min(group, pairs));
+    t.blocks = FastDiv(t.n_blocks);
+    t.heads = FastDiv(p.h);
+    t.q_per_kv_head = FastDiv(p.h_h_k_ratio);
+    t.window = key_window(p);
     return t;
 }
 
@@ -87,6 +118,27 @@ __host__ __device__ __forceinline__ BlockCoord fwd_tile_coord(const FwdTiles& t,
 }
 
 #ifdef __CUDACC__
+// A varlen / sliding-window tile: its query rows [row0, row0 + kBlockM) of sequence `batch` (row0 < 0: the rows before
+// 0 belong to the sequence before, and are computed but not stored) and key blocks [n_min, n_max) (empty: none of
+// its rows sees a key; the producer skips it). The producer hands these to the consumers in the tile slot.
+struct LocalTile {
+    int tile, head, batch, row0, n_min, n_max, q0, k0, len_q, len_k;
+};
+constexpr int kLocalTileInts = 10;
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ LocalTile fwd_local_tile(const FwdTiles& t, const FwdParams& p, int tile) {
+    const BlockCoord c = causal_tile_coord(tile, t.causal);
+    const SeqBounds s = seq_bounds(p, c.batch);
+    const int rank = t.n_blocks - 1 - c.block;  // 0: the sequence's last block
+    LocalTile lt{tile, c.head, c.batch, s.seqlen_q - (rank + 1) * kBlockM, 0, 0, s.q_row0, s.k_row0, s.seqlen_q, s.seqlen_k};
+    if (lt.row0 + kBlockM > 0) {  // else past the sequence's blocks: no rows
+        key_block_range<kBlockN>(t.window, s.causal_offset(), s.seqlen_k, imax(lt.row0, 0), lt.row0 + kBlockM - 1,
+                                 lt.n_min, lt.n_max);
+    }
+    return lt;
+}
+
 // The (query block, head, batch) of empty tile `e` (blocks [0, m_first) of each head).
 __device__ __forceinline__ BlockCoord fwd_empty_tile_coord(const FwdTiles& t, const FwdParams& p, int e) {
     return {e % t.m_first, e / t.m_first % p.h, e / (t.m_first * p.h)};
@@ -94,9 +146,13 @@ __device__ __forceinline__ BlockCoord fwd_empty_tile_coord(const FwdTiles& t, co
 
 // The tile this block runs after `tile`; >= num_tiles when it has none left. The producer warpgroup's thread calls
 // it (causal: an atomic per tile) and publishes the answer to the consumers in a tile slot.
-template <bool kIsCausal>
+// kVarlenOrLocal: from the counter where the launch passes one.
+template <bool kIsCausal, bool kVarlenOrLocal = false>
 __device__ __forceinline__ int fwd_next_tile(const FwdParams& p, int tile) {
     if constexpr (kIsCausal) return static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
+    if constexpr (kVarlenOrLocal) {
+        if (p.tile_counter != nullptr) return static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
+    }
     return tile + static_cast<int>(gridDim.x);
 }
 #endif

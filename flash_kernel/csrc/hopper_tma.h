@@ -70,14 +70,25 @@ struct QkvTensorMaps {
     CUtensorMap q, k, v;
 };
 
+// Varlen (hopper_seqlen.h): the packed (total, H, D) tensors as one batch entry of total rows, read at row
+// coordinates offset by cu_seqlens. A packed tensor of no rows gets a map of one row, which no tile reads.
+struct TileMapRows {
+    int q, k, batches;
+};
+inline TileMapRows tile_map_rows(const FwdParams& p) {
+    if (p.cu_seqlens_q == nullptr) return {p.seqlen_q, p.seqlen_k, p.b};
+    return {p.total_q > 0 ? p.total_q : 1, p.total_k > 0 ? p.total_k : 1, 1};
+}
+
 template <typename Element, int kQRows, int kKVRows>
 cudaError_t make_qkv_tile_maps(QkvTensorMaps* maps, const FwdParams& p) {
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows>(&maps->q, p.q_ptr, p.d, p.seqlen_q, p.h, p.b, p.q_row_stride,
+    const TileMapRows rows = tile_map_rows(p);
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows>(&maps->q, p.q_ptr, p.d, rows.q, p.h, rows.batches, p.q_row_stride,
                                                           p.q_head_stride, p.q_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows>(&maps->k, p.k_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.k_row_stride,
-                                                           p.k_head_stride, p.k_batch_stride)));
-    return make_tile_map<Element, kKVRows>(&maps->v, p.v_ptr, p.d, p.seqlen_k, p.h_k, p.b, p.v_row_stride, p.v_head_stride,
-                                           p.v_batch_stride);
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows>(&maps->k, p.k_ptr, p.d, rows.k, p.h_k, rows.batches,
+                                                           p.k_row_stride, p.k_head_stride, p.k_batch_stride)));
+    return make_tile_map<Element, kKVRows>(&maps->v, p.v_ptr, p.d, rows.k, p.h_k, rows.batches, p.v_row_stride,
+                                           p.v_head_stride, p.v_batch_stride);
 }
 
 // -------------------------------------------------------------------------------------------------- device
