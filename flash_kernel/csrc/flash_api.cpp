@@ -277,10 +277,6 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     set_smem_limits(p, props);
 }
 
-// Whether the Hopper kernels can run this call: not varlen or windowed ones (they read neither cu_seqlens nor the
-// window), which run the sm80 kernels on every GPU, whatever the overrides say.
-bool hopper_supports_call(const flash::FwdParams& p) { return !flash::is_varlen_or_local(p); }
-
 // Whether the sm_90a forward / main backward kernel runs for this head dim on this device (else the sm80 one).
 bool fwd_runs_hopper(int d_rounded, int device_index) {
     return sm90_forward_allowed(device_index) && flash::hopper_fwd_built(d_rounded);
@@ -344,17 +340,17 @@ void run_fwd(const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at:
     flash::FwdParams p{};
     fill_fwd_params(p, s, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, cu_seqlens_q, cu_seqlens_k);
     if (s.b == 0 || s.h == 0 || s.tq == 0 || (s.varlen && s.total_q == 0)) return;  // no query row to write
-    p.use_sm90 = sm90_forward_allowed(device) && hopper_supports_call(p);
+    p.use_sm90 = sm90_forward_allowed(device);
     const bool hopper = p.use_sm90 && flash::hopper_fwd_built(p.d_rounded);  // fwd_runs_hopper, from the params
     if (!hopper) check_sm80_fits(p, device, /*backward=*/false);
     // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
     at::Tensor tile_counter;
     if (p.is_causal && !flash::is_varlen_or_local(p)) {  // K and V bytes of a query head (shared by h / h_k of them)
         p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
-        if (hopper) {  // its blocks take tiles from a counter
-            tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-            p.tile_counter = tile_counter.data_ptr<int>();
-        }
+    }
+    if (hopper && (p.is_causal || flash::is_varlen_or_local(p))) {  // its blocks take tiles from a counter
+        tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+        p.tile_counter = tile_counter.data_ptr<int>();
     }
     const cudaError_t err = flash::run_mha_fwd(p, at::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == cudaSuccess, "flash_kernel: forward launch failed: ", cudaGetErrorString(err));
@@ -404,8 +400,8 @@ void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const 
         dv.zero_();
         return;
     }
-    p.use_sm90 = sm90_backward_allowed(device) && hopper_supports_call(p);
-    if (!bwd_runs_hopper(d_rounded, device, deterministic) || !p.use_sm90) {  // before dq_accum and the rest exist
+    p.use_sm90 = sm90_backward_allowed(device);
+    if (!bwd_runs_hopper(d_rounded, device, deterministic)) {  // before dq_accum and the rest exist
         check_sm80_fits(p, device, /*backward=*/true);
     }
     const auto f32 = q.options().dtype(at::kFloat);
