@@ -84,7 +84,7 @@ varlen)
     run=$(ls "$OUT"/varlen_*.log 2>/dev/null | wc -l)  # one log per part when stages are chained
     for hd in 128 64; do
         step 250 "varlen_${run}_hd${hd}" $PY bench/kernel.py --varlen --hdims $hd "$@"
-        grep -E "^\||^- |^note|^skip" "$OUT/varlen_${run}_hd${hd}.log" | tail -n 40
+        grep -E "^\||^- |^note|^skip|^error" "$OUT/varlen_${run}_hd${hd}.log" | tail -n 40
     done
     ;;
 e2e)

@@ -18,7 +18,8 @@ TFLOP/s count the unmasked work only, the same count for every method: 4 * H * h
 (2.5x that for the backward), where pairs is the area of the visible (query, key) region of each sequence,
 the FA2 paper's convention (T^2 / 2 for causal; w * T - w^2 / 2 for a window w < T). A dense causal call
 and a fixedN call of the same shape thus count the same FLOPs, and a window's TFLOP/s stay comparable while
-its time falls. Times: triton.testing.do_bench medians over --rounds interleaved rounds (bench/kernel.py's
+its time falls (flash_kernel.flop_count counts the exact discrete pairs, T (T + 1) / 2 for causal, for
+FlopCounterMode; the benchmark keeps the paper's area so that its numbers line up with the dense grid's). Times: triton.testing.do_bench medians over --rounds interleaved rounds (bench/kernel.py's
 timer). A method that cannot run here (ours before the varlen kernel or the window argument existed, FA4
 without flash_attn.cute) is recorded as "skipped" with the reason.
 
@@ -286,7 +287,9 @@ def set_up(case: Case, methods: list[str], args, device: str, dtype=torch.bfloat
             dense._free()
             continue
         except Exception as e:  # a mask or a compiler that fails on this host: one row, not the whole grid
-            failed += _status_rows(base, args.modes, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            print(f"error {method} ({case.grid} {case.name}): {note}")
+            failed += _status_rows(base, args.modes, "error", note)
             dense._free()
             continue
         live.append((dict(base, **fields), tensors, fn, context))
