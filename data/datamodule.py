@@ -3,6 +3,7 @@
     dm = TokenDataModule(source="stdlib", seq_len=256, batch_size=8)   # or hydra: conf/data/*.yaml
     dm.prepare_data(); dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))                            # int64 (B, seq_len) each
+    # document_mask=True: (x, y, cu_seqlens), the batch's documents packed (data/windows.py)
 
 REQUIRED with Lightning: build the Trainer with `use_distributed_sampler=False`. The train and val
 dataloaders already hand each rank its own share (data/windows.py); Lightning's DistributedSampler would
@@ -40,7 +41,8 @@ from torch.utils.data import DataLoader
 from data.cache import TOKENIZER_FILE, TRAIN_FILE, VAL_FILE, check_cache, locate
 from data.config import PrepareConfig
 from data.prepare import prepare
-from data.windows import TrainBatchSampler, TrainWindows, ValWindows, check_enough_tokens, val_rank_starts
+from data.windows import (TrainBatchSampler, TrainWindows, ValWindows, check_enough_tokens, collate_documents,
+                          val_rank_starts)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class TokenDataModule(L.LightningDataModule):
     streaming, max_documents, text_sample_by, vocab_size, val_fraction, split_seed, cache_dir,
     tokenize_procs. Windows: seq_len, batch_size, seed (train window order), val_batches (fixed val
     batches per evaluation, in total over all ranks). Loading: num_workers, pin_memory (None: if CUDA).
+    Documents: document_mask (batches also carry where each window's documents start, packed as cu_seqlens,
+    for document-masked attention; data/windows.py).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class TokenDataModule(L.LightningDataModule):
         split_seed: int = 0,
         tokenize_procs: int | None = None,
         pin_memory: bool | None = None,
+        document_mask: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -117,6 +122,7 @@ class TokenDataModule(L.LightningDataModule):
         self.seq_len, self.batch_size, self.seed = int(seq_len), int(batch_size), int(seed)
         self.val_batches, self.num_workers = int(val_batches), int(num_workers)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.document_mask = bool(document_mask)
         self.cache_path: Path | None = None
         self.meta: dict | None = None
         self._consumed = 0  # train batches consumed by this rank (see module docstring)
@@ -145,6 +151,15 @@ class TokenDataModule(L.LightningDataModule):
             raise ValueError(
                 f"{path} has a {meta['tokenizer_vocab_size']}-token tokenizer, more than vocab_size={self.vocab_size}"
             )
+        if self.document_mask and meta.get("eot_id") is None:
+            raise ValueError(
+                f"data.document_mask=true needs the <|endoftext|> id in {path}/meta.json, which this cache lacks: "
+                f"delete {path} and prepare again"
+            )
+
+    def _eot_id(self) -> int | None:
+        """The document separator's id when batches carry documents, else None (plain (x, y) batches)."""
+        return int(self.meta["eot_id"]) if self.document_mask else None
 
     def _require_setup(self) -> dict:
         if self.meta is None:
@@ -187,6 +202,7 @@ class TokenDataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
+            collate_fn=collate_documents if self.document_mask else None,
             **kwargs,
         )
 
@@ -217,7 +233,7 @@ class TokenDataModule(L.LightningDataModule):
         trainer = self.trainer
         self._fit_base = (trainer, start, int(trainer.global_step)) if trainer is not None else None
         dataset = TrainWindows(self.cache_path / TRAIN_FILE, meta["tokens"]["train"], self.seq_len, self.seed,
-                               vocab_size=meta["tokenizer_vocab_size"])
+                               vocab_size=meta["tokenizer_vocab_size"], eot_id=self._eot_id())
         sampler = TrainBatchSampler(self.batch_size, self._train_num_steps(), world_size, rank, start_step=start,
                                     window_offset=self._window_offset)
         if start:
@@ -236,7 +252,7 @@ class TokenDataModule(L.LightningDataModule):
         n_tokens = meta["tokens"]["val"]
         starts = val_rank_starts(n_tokens, self.seq_len, self.val_batches, self.batch_size, world_size, rank)
         dataset = ValWindows(self.cache_path / VAL_FILE, n_tokens, self.seq_len, starts,
-                             vocab_size=meta["tokenizer_vocab_size"])
+                             vocab_size=meta["tokenizer_vocab_size"], eot_id=self._eot_id())
         return self._loader(dataset, batch_size=self.batch_size, shuffle=False, drop_last=False)
 
     # ------------------------------------------------------------------------------------ resume state

@@ -14,6 +14,14 @@ rank reads different windows, the union over ranks at step s is the single-proce
 s*W ... s*W + W - 1, and a run resumed at step s reads exactly what the uninterrupted run would have.
 
 Val windows are fixed: evenly spaced start offsets across the val shard, the same every evaluation.
+
+Documents (data.document_mask): the shard is every document's tokens followed by <|endoftext|>, and a window
+cuts through that stream anywhere. Each <|endoftext|> of x opens a document (the separator is the document's
+first token, as GPT-2 prompts an unconditional sample with it), and so does x's position 0 (a window that
+starts mid-document holds that document's tail). With documents on, an item is (x, y, doc_start): doc_start
+is a bool (seq_len,) tensor, True where a document starts. It is a pure function of the window's tokens, so it
+adds no state: resume and the per-rank order stay as above. collate_documents packs a batch's documents into
+the cu_seqlens of FlashAttention's varlen layout, which is what the model reads.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, default_collate
 
 from data.shards import open_shard
 
@@ -49,16 +57,47 @@ def val_window_starts(n_tokens: int, seq_len: int, n_windows: int) -> np.ndarray
     return np.linspace(0, last, num=n_windows).round().astype(np.int64)
 
 
+def document_starts(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """x (T,) token ids -> bool (T,): True at position 0 and at every <|endoftext|> (each opens a document)."""
+    starts = x == eot_id
+    starts[0] = True
+    return starts
+
+
+def packed_cu_seqlens(doc_start: torch.Tensor) -> torch.Tensor:
+    """doc_start (B, T) bool -> cu_seqlens int32 (n_pad + 1,): the documents of the batch's B windows packed
+    one after another (B·T tokens), FlashAttention's varlen layout. Every window starts a document, so no
+    document crosses a window. n_pad is the number of documents n rounded up to a power of two, the extra
+    sequences empty (cu_seqlens repeats B·T): the tensor's length is then one of log2(B·T) + 1 sizes, so
+    torch.compile sees few shapes (and marks the length dynamic after the first change), the model learns the
+    count from the length with no device-to-host copy, and the kernel's grid and workspaces (which grow with the
+    number of sequences) stay within 2x of the documents' own."""
+    batch, seq_len = doc_start.shape
+    starts = doc_start.reshape(-1).nonzero().squeeze(1)  # (n,) offsets in the packed batch
+    n_pad = 1 << (len(starts) - 1).bit_length()
+    cu_seqlens = torch.full((n_pad + 1,), batch * seq_len, dtype=torch.int32)
+    cu_seqlens[: len(starts)] = starts
+    return cu_seqlens
+
+
+def collate_documents(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """DataLoader collate for items (x, y, doc_start): (x (B, T), y (B, T), cu_seqlens (n_pad + 1,) int32)."""
+    x, y, doc_start = default_collate(items)
+    return x, y, packed_cu_seqlens(doc_start)
+
+
 class _ShardWindows(Dataset):
     """Opens the shard lazily, so that DataLoader workers each map the file instead of receiving a pickled
     copy of it. With vocab_size, every window is checked to hold ids below it (a corrupt shard is named)."""
 
     split = "train"  # names the split in error messages
 
-    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, vocab_size: int | None = None,
+                 eot_id: int | None = None):
         check_enough_tokens(n_tokens, seq_len, self.split)
         self.path, self.n_tokens, self.seq_len = str(path), int(n_tokens), int(seq_len)
         self.vocab_size = vocab_size
+        self.eot_id = eot_id  # set: items carry doc_start (see the module docstring)
         self._tokens: np.memmap | None = None
 
     def __getstate__(self):
@@ -66,7 +105,7 @@ class _ShardWindows(Dataset):
         state["_tokens"] = None
         return state
 
-    def window(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def window(self, start: int) -> tuple[torch.Tensor, ...]:
         if self._tokens is None:
             self._tokens = open_shard(Path(self.path), self.n_tokens)
         chunk = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
@@ -78,7 +117,10 @@ class _ShardWindows(Dataset):
                 f"{self.vocab_size}: the data cache is corrupt; rebuild it with `python -m data.prepare <source> "
                 f"--vocab-size <data.vocab_size> --verify` (or delete {Path(self.path).parent})"
             )
-        return chunk[:-1], chunk[1:]  # (seq_len,), (seq_len,)
+        x, y = chunk[:-1], chunk[1:]  # (seq_len,), (seq_len,)
+        if self.eot_id is None:
+            return x, y
+        return x, y, document_starts(x, self.eot_id)
 
 
 class TrainWindows(_ShardWindows):
@@ -87,13 +129,14 @@ class TrainWindows(_ShardWindows):
 
     split = "train"
 
-    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, seed: int, vocab_size: int | None = None):
-        super().__init__(path, n_tokens, seq_len, vocab_size)
+    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, seed: int, vocab_size: int | None = None,
+                 eot_id: int | None = None):
+        super().__init__(path, n_tokens, seq_len, vocab_size, eot_id)
         if int(seed) < 0:
             raise ValueError(f"seed={seed} must be >= 0 (it seeds numpy's SeedSequence)")
         self.seed = int(seed)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return self.window(train_window_start(self.seed, int(index), self.n_tokens, self.seq_len))
 
 
@@ -102,14 +145,15 @@ class ValWindows(_ShardWindows):
 
     split = "val"
 
-    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, starts: np.ndarray, vocab_size: int | None = None):
-        super().__init__(path, n_tokens, seq_len, vocab_size)
+    def __init__(self, path: str | Path, n_tokens: int, seq_len: int, starts: np.ndarray, vocab_size: int | None = None,
+                 eot_id: int | None = None):
+        super().__init__(path, n_tokens, seq_len, vocab_size, eot_id)
         self.starts = np.asarray(starts, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return self.window(int(self.starts[index]))
 
 

@@ -2,34 +2,52 @@
 
 Every function has the same signature and layout:
 
-    fn(q, k, v, causal=True, softmax_scale=None) -> o
+    fn(q, k, v, causal=True, softmax_scale=None, mask=None) -> o
     q: (B, Tq, Hq, D)   k, v: (B, Tk, Hkv, D) with Hq % Hkv == 0   o: (B, Tq, Hq, D)
 
 (B, T, H, D) is flash-attn's layout: the model hands over strided views of its fused qkv projection
 with no transpose or copy. When Tq != Tk, causal masking is aligned bottom-right, as in flash-attn:
 query i sees keys j <= i + Tk - Tq.
 
+mask, an AttentionMask that attention_mask() prepares once per forward for every layer, narrows causal
+attention further, with the same semantics in every implementation:
+  - a sliding window (attention.window = w): query i sees keys i - w ... i (FlashAttention's window_size
+    (w, 0), after the bottom-right alignment);
+  - documents (data.document_mask): the batch's windows hold documents packed back to back, described by
+    cu_seqlens (FlashAttention's varlen layout over the B·T tokens, data/windows.py); query i sees key j only
+    when both lie in one document.
+Each implementation reads the form it runs fastest with: flash the cu_seqlens and the window size, flex a
+BlockMask, naive and sdpa a dense (B, 1, Tq, Tk) boolean mask.
+
 - naive: the textbook QKᵀ -> mask -> softmax -> PV. It really materializes the (B, H, Tq, Tk) score
   matrix; it is the baseline that runs out of memory at long context (FA2 paper, Figure 5).
 - sdpa:  torch.nn.functional.scaled_dot_product_attention with PyTorch's own backend choice
-  (cuDNN or FA2 on Hopper, the C++ math kernel on CPU).
-- flash: this repository's compiled FlashAttention-2 kernel (flash_kernel/).
+  (cuDNN or FA2 on Hopper, the C++ math kernel on CPU). With a mask it takes an explicit boolean mask,
+  which rules the flash and cuDNN backends out: the slow path.
+- flex:  PyTorch's FlexAttention (torch.nn.attention.flex_attention) with a block mask (causal, window,
+  documents), compiled on a GPU; eager (a reference computation) on a CPU.
+- flash: this repository's compiled FlashAttention-2 kernel (flash_kernel/); with documents, the whole batch
+  in one call of its varlen function.
 - flash_reference: the same tiled FA2 algorithm in PyTorch (flash_kernel/reference.py); slow, CPU-
-  runnable, used to test the model wiring where no GPU is present.
+  runnable, used to test the model wiring where no GPU is present (causal only: no mask).
 
 An implementation may also have a qkv-packed form, fn(qkv, causal=True, softmax_scale=None) -> o with
-qkv (B, T, 3, H, D) the fused projection itself; the model calls it when it exists
+qkv (B, T, 3, H, D) the fused projection itself; the model calls it when it exists and no mask applies
 (get_qkvpacked_attention). flash has one: its backward writes dq, dk and dv into one gradient tensor,
 where the three views' gradients would be stacked by autograd (a copy per layer).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Protocol
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import flex_attention as flex
 
 
 class AttentionFn(Protocol):
@@ -40,14 +58,107 @@ class AttentionFn(Protocol):
         v: torch.Tensor,
         causal: bool = True,
         softmax_scale: float | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor: ...
 
 
-def _causal_mask(t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
-    """True where query i may attend key j (bottom-right aligned): j <= i + (Tk - Tq). Shape (Tq, Tk)."""
-    i = torch.arange(t_q, device=device).unsqueeze(1)
+@dataclass
+class AttentionMask:
+    """What narrows causal attention besides causality, prepared once per forward and shared by every layer
+    (see the module docstring); each implementation reads its own fields. Built by attention_mask()."""
+
+    window: int | None = None  # keys left of each query that it sees, besides itself; None: all of them
+    cu_seqlens: torch.Tensor | None = None  # flash: (n + 1,) int32, the documents of the packed B·T tokens
+    max_seqlen: int = 0  # flash: a bound on every document's length (the window length T)
+    dense: torch.Tensor | None = None  # naive, sdpa: (B or 1, 1, Tq, Tk) bool, True where query i sees key j
+    block_mask: Any = None  # flex: torch.nn.attention.flex_attention.BlockMask of the same rule
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(
+            f"attention.window={window!r} must be null (full causal attention) or an integer >= 0 (the keys left of "
+            "each query that it sees: query i attends keys i - window ... i)"
+        )
+
+
+def _causal_mask(t_q: int, t_k: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """True where query i may attend key j (bottom-right aligned): j <= i + (Tk - Tq), and with a window
+    j >= i + (Tk - Tq) - window. Shape (Tq, Tk)."""
+    i = torch.arange(t_q, device=device).unsqueeze(1) + (t_k - t_q)
     j = torch.arange(t_k, device=device).unsqueeze(0)
-    return j <= i + (t_k - t_q)
+    visible = j <= i
+    return visible if window is None else visible & (j >= i - window)
+
+
+def document_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """cu_seqlens (n + 1,) of B windows of T tokens packed -> (B, T) int32: each token's document index (unique
+    over the batch). Empty sequences (the padding data/windows.py adds) own no token."""
+    tokens = torch.arange(batch * seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    doc = torch.searchsorted(cu_seqlens, tokens, right=True) - 1  # (B·T,): the last boundary at or before it
+    return doc.view(batch, seq_len)
+
+
+def document_positions(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """(B, T) int64: each token's position within its document (0 at every document start)."""
+    doc = document_ids(cu_seqlens, batch, seq_len).reshape(-1)  # (B·T,)
+    tokens = torch.arange(batch * seq_len, device=cu_seqlens.device)
+    return (tokens - cu_seqlens.long()[doc]).view(batch, seq_len)
+
+
+def _dense_mask(t_q: int, t_k: int, window: int | None, doc: torch.Tensor | None, device) -> torch.Tensor:
+    """(B or 1, 1, Tq, Tk) bool: causal, windowed, and within one document (doc: (B, T) document ids)."""
+    visible = _causal_mask(t_q, t_k, device, window)[None, None]  # (1, 1, Tq, Tk)
+    if doc is not None:
+        visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])  # (B, 1, T, T)
+    return visible
+
+
+@functools.cache
+def _create_block_mask_compiled() -> Callable[..., Any]:
+    # Compiled, create_block_mask evaluates mask_mod block by block instead of materializing (B, Tq, Tk);
+    # a new mask_mod closure over new document ids each step does not recompile (torchtitan does the same).
+    return torch.compile(flex.create_block_mask)
+
+
+@torch.compiler.disable  # built once per forward outside the model's graph; flex_attention inside reads it
+def _flex_block_mask(batch: int, t_q: int, t_k: int, window: int | None, doc: torch.Tensor | None, device):
+    offset = t_k - t_q  # bottom-right alignment
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_pos = q_idx + offset
+        visible = kv_idx <= q_pos
+        if window is not None:
+            visible = visible & (q_pos - kv_idx <= window)
+        if doc is not None:
+            visible = visible & (doc[b, q_idx] == doc[b, kv_idx])
+        return visible
+
+    create = _create_block_mask_compiled() if torch.device(device).type == "cuda" else flex.create_block_mask
+    return create(mask_mod, batch if doc is not None else None, None, t_q, t_k, device=device)
+
+
+def attention_mask(
+    name: str, batch: int, t_q: int, t_k: int, device: torch.device, window: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> AttentionMask | None:
+    """The mask `name` reads for causal attention of Tq queries over Tk keys with this window and documents
+    (cu_seqlens of the B windows packed; documents need Tq == Tk), or None where plain causal attention is
+    all there is (flex always gets a block mask)."""
+    check_window(window)
+    if window is None and cu_seqlens is None and name != "flex":
+        return None
+    if cu_seqlens is not None and t_q != t_k:
+        raise ValueError(f"document masks apply to whole windows (Tq == Tk), not {t_q} queries over {t_k} keys")
+    if name == "flash":
+        return AttentionMask(window=window, cu_seqlens=cu_seqlens, max_seqlen=t_q)
+    if name == "flash_reference":
+        raise ValueError("attention=flash_reference runs plain causal attention only: use naive, sdpa, flex or flash "
+                         "for attention.window or data.document_mask")
+    doc = document_ids(cu_seqlens, batch, t_q) if cu_seqlens is not None else None
+    if name == "flex":
+        return AttentionMask(window=window, block_mask=_flex_block_mask(batch, t_q, t_k, window, doc, device))
+    return AttentionMask(window=window, dense=_dense_mask(t_q, t_k, window, doc, device))
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -55,13 +166,16 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
 
 
-def naive_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+def naive_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                    mask: AttentionMask | None = None) -> torch.Tensor:
     n_rep = q.shape[2] // k.shape[2]
     k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
     scores = (q_ @ k_.transpose(-2, -1)) * scale  # (B, H, Tq, Tk): the T×T matrix, on purpose
-    if causal:
+    if mask is not None:
+        scores = scores.masked_fill(~mask.dense, float("-inf"))  # (B or 1, 1, Tq, Tk) broadcast over heads
+    elif causal:
         scores = scores.masked_fill(~_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
     # softmax in at least fp32 like every serious baseline; a row with no visible key gives 0/0, zeroed
     probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
@@ -69,11 +183,14 @@ def naive_attention(q, k, v, causal: bool = True, softmax_scale: float | None = 
     return (probs @ v_).transpose(1, 2)  # (B, Tq, H, D)
 
 
-def sdpa_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+def sdpa_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                   mask: AttentionMask | None = None) -> torch.Tensor:
     q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D) views, no copy
     t_q, t_k = q.shape[1], k.shape[1]
     gqa = q.shape[2] != k.shape[2]
-    if causal and t_q != t_k:
+    if mask is not None:
+        o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask.dense, scale=softmax_scale, enable_gqa=gqa)
+    elif causal and t_q != t_k:
         # is_causal in SDPA is top-left aligned; pass the bottom-right mask explicitly
         mask = _causal_mask(t_q, t_k, q.device)
         o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=softmax_scale, enable_gqa=gqa)
@@ -94,8 +211,45 @@ def _flash_kernel():
     return flash_kernel
 
 
-def flash_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
-    return _flash_kernel().flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+@functools.cache
+def _flex_attention_compiled() -> Callable[..., torch.Tensor]:
+    # Eager flex_attention computes the whole score matrix (a reference); compiled it is the fused Triton kernel.
+    return torch.compile(flex.flex_attention, dynamic=False)
+
+
+def flex_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                   mask: AttentionMask | None = None) -> torch.Tensor:
+    if mask is None and causal:
+        mask = attention_mask("flex", q.shape[0], q.shape[1], k.shape[1], q.device)
+    q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D) views, no copy
+    block_mask = mask.block_mask if mask is not None else None
+    if q.is_cuda:
+        o = _flex_attention_compiled()(q_, k_, v_, block_mask=block_mask, scale=softmax_scale,
+                                       enable_gqa=q.shape[2] != k.shape[2])
+    else:
+        with warnings.catch_warnings():  # eager is what a CPU runs (tests, sampling): no advice to compile
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            o = flex.flex_attention(q_, k_, v_, block_mask=block_mask, scale=softmax_scale,
+                                    enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)  # (B, Tq, H, D)
+
+
+def flash_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                    mask: AttentionMask | None = None) -> torch.Tensor:
+    kernel = _flash_kernel()
+    if mask is None:
+        return kernel.flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    window_size = (-1 if mask.window is None else mask.window, 0 if causal else -1)
+    if mask.cu_seqlens is None:
+        return kernel.flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    B, T, H, D = q.shape
+    # The batch's windows are one packed sequence of documents: (B·T, H, D) views, no copy.
+    o = kernel.flash_attn_varlen_func(
+        q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
+        mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+    )  # (B·T, H, D)
+    return o.view(B, T, H, D)
 
 
 def flash_attention_qkvpacked(qkv, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
@@ -103,9 +257,12 @@ def flash_attention_qkvpacked(qkv, causal: bool = True, softmax_scale: float | N
     return _flash_kernel().flash_attn_qkvpacked_func(qkv, causal=causal, softmax_scale=softmax_scale)
 
 
-def flash_reference_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+def flash_reference_attention(q, k, v, causal: bool = True, softmax_scale: float | None = None,
+                              mask: AttentionMask | None = None) -> torch.Tensor:
     from flash_kernel.reference import reference_attn_func
 
+    if mask is not None:
+        raise ValueError("attention=flash_reference runs plain causal attention only (no window, no documents)")
     return reference_attn_func(q, k, v, causal, softmax_scale)
 
 
@@ -113,6 +270,7 @@ ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
     "flash": flash_attention,
+    "flex": flex_attention,
     "flash_reference": flash_reference_attention,
 }
 
@@ -162,9 +320,14 @@ def check_attention_supported(name: str, head_dim: int) -> None:
 
 
 def check_attention(name: str, accelerator: str, precision: str) -> None:
-    """Fail before any work where the config cannot run `name`: an unknown name, flash off a CUDA GPU or
-    without its built extension, flash outside bf16/fp16. accelerator: "gpu" or "cpu"; precision: Lightning's."""
+    """Fail before any work where the config cannot run `name`: an unknown name, flex or flash off a CUDA GPU,
+    flash without its built extension or outside bf16/fp16. accelerator: "gpu" or "cpu"; precision: Lightning's."""
     get_attention(name)
+    if name == "flex" and accelerator != "gpu":
+        raise ValueError(
+            f"attention=flex trains on a CUDA GPU only (PyTorch's FlexAttention has no backward on a CPU), but "
+            f"trainer.accelerator={accelerator}; use attention=sdpa or attention=naive here"
+        )
     if name != "flash":
         return
     import flash_kernel

@@ -14,6 +14,10 @@ token embedding. Each option's default is GPT-3's:
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
+
+Attention is causal; `window` narrows it to a sliding window (Mistral-style local attention), and a forward
+given cu_seqlens (the batch's documents, data/windows.py) keeps each token's attention inside its document,
+its position counting from the document's start when reset_position_ids (README, "Document masking").
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import check_attention_supported, get_attention, get_qkvpacked_attention
+from model.attention import (AttentionMask, attention_mask, check_attention_supported, check_window,
+                             document_positions, get_attention, get_qkvpacked_attention)
 
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
 VOCAB_MULTIPLE = 64
@@ -66,6 +71,8 @@ class GPTConfig:
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # gelu | swiglu
     d_ff: int | None = None  # MLP hidden width; None: mlp_ratio · d_model
+    window: int | None = None  # sliding-window attention: keys left of each query it sees; None: all (attention.window)
+    reset_position_ids: bool = True  # with documents, positions restart at each document's start
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -83,6 +90,10 @@ class GPTConfig:
                 f"model.pos_emb=rope rotates pairs of channels, so the head dim must be even, but "
                 f"d_model/n_head = {self.d_model}/{self.n_head} = {self.head_dim}; change model.n_head or model.d_model"
             )
+        try:
+            check_window(self.window)
+        except ValueError as err:
+            raise ModelConfigError(str(err)) from None
         check_attention_supported(self.attention, self.head_dim)
 
     @property
@@ -104,8 +115,10 @@ class GPTConfig:
 
 def packs_qkv(cfg: GPTConfig) -> bool:
     """Whether the blocks hand the fused projection whole, (B, T, 3, H, D), to the attention's qkv-packed form
-    (model/attention.py): where it has one, for H key/value heads that RoPE does not rotate."""
-    return get_qkvpacked_attention(cfg.attention) is not None and cfg.kv_heads == cfg.n_head and cfg.pos_emb == "learned"
+    (model/attention.py): where it has one, for H key/value heads that RoPE does not rotate, without a window.
+    (A forward with documents passes q, k, v views too.)"""
+    return (get_qkvpacked_attention(cfg.attention) is not None and cfg.kv_heads == cfg.n_head
+            and cfg.pos_emb == "learned" and cfg.window is None)
 
 
 def _norm_in_input_dtype(norm, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
@@ -151,16 +164,17 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's rotation for each position: cos and sin, each (T, D/2), computed in fp32 and returned in `dtype`."""
+    """RoPE's rotation for each position (T,) or (B, T): cos and sin, each (..., T, D/2), computed in fp32 and
+    returned in `dtype`."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    angles = positions.float()[..., None] * inv_freq  # (T, D/2) or (B, T, D/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, T, H, D) by position: channel i pairs with i + D/2 (GPT-NeoX's rotate-half layout)."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D/2) or (B, T, 1, D/2)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, H, D)
 
 
@@ -201,12 +215,13 @@ class CausalSelfAttention(nn.Module):
         self.attn_qkvpacked = get_qkvpacked_attention(cfg.attention) if packs_qkv(cfg) else None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         H, Hkv, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x)  # (B, T, (H + 2·Hkv)·D)
-        if self.attn_qkvpacked is not None and cache is None:
+        if self.attn_qkvpacked is not None and cache is None and mask is None:
             # One input, so autograd gets one (B, T, 3, H, D) gradient, not three views' to concatenate.
             o = self.attn_qkvpacked(qkv.view(B, T, 3, H, D), causal=True)  # (B, T, H, D)
         else:
@@ -215,7 +230,7 @@ class CausalSelfAttention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)  # (B, Tc + T, Hkv, D)
-            o = self.attn_fn(q, k, v, causal=True)  # (B, T, H, D)
+            o = self.attn_fn(q, k, v, causal=True, mask=mask)  # (B, T, H, D)
         return self.dropout(self.proj(o.reshape(B, T, C)))
 
 
@@ -248,9 +263,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache)
+        x = x + self.attn(self.ln_1(x), rope, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -278,10 +294,16 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, padded_vocab_size). With a cache, idx continues the cached
-        tokens: its positions start at cache.length, and its keys and values are appended to the cache."""
+        tokens: its positions start at cache.length, and its keys and values are appended to the cache.
+        With cu_seqlens ((n + 1,) int32 on idx's device: the documents of the B windows packed back to back,
+        every window starting one; data/windows.py), attention stays inside each document."""
         B, T = idx.shape
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("documents (cu_seqlens) apply to a training forward, not to decoding with a KV cache")
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise ContextLengthError(f"{start} cached + {T} new tokens exceed the KV cache's {cache.max_len}")
@@ -291,7 +313,10 @@ class GPT(nn.Module):
             raise ContextLengthError(
                 f"input has {start + T} tokens but the model's context holds seq_len={self.cfg.seq_len}; {advice}"
             )
-        pos = torch.arange(start, start + T, device=idx.device)
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        if cu_seqlens is not None and self.cfg.reset_position_ids:
+            pos = document_positions(cu_seqlens, B, T)  # (B, T): 0 at each document's first token
+        mask = attention_mask(self.cfg.attention, B, T, start + T, idx.device, self.cfg.window, cu_seqlens)
         x = self.wte(idx)  # (B, T, C), fp32
         if self.wpe is not None:
             x = x + self.wpe(pos)
@@ -307,9 +332,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
                 # recompute each block in backward: trades ~1/3 more compute for O(L) fewer activations
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
-                x = block(x, rope, cache)
+                x = block(x, rope, cache, mask)
         if cache is not None:
             cache.length += T
         return self.lm_head(self.ln_f(x))  # (B, T, V)

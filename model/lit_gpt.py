@@ -100,9 +100,9 @@ class LitGPT(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch  # (B, T) each
-        return self.loss_fn(self.model(x), y, self.hparams.loss)
+    def _loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch[:2]  # (B, T) each; data.document_mask adds cu_seqlens (data/windows.py)
+        return self.loss_fn(self.model(x, cu_seqlens=batch[2] if len(batch) > 2 else None), y, self.hparams.loss)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -116,7 +116,8 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
+                 batch_size=batch[0].shape[0])  # a document batch (x, y, cu_seqlens) leaves Lightning guessing
         self._val_loss_sum += loss.detach().float() * batch[0].shape[0]
         self._val_samples += batch[0].shape[0]
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from model.attention import check_attention
+from model.attention import check_attention, check_window
 from model.loss import check_loss
 from recipe.launch import Launcher, detect_launcher, visible_gpus
 
@@ -26,6 +26,7 @@ def validate(cfg: DictConfig, launcher: Launcher | None = None) -> None:
     try:
         check_attention(cfg.attention.name, _accelerator(cfg.trainer), str(cfg.trainer.precision))
         check_loss(cfg.loss)
+        check_window(cfg.attention.get("window"))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     # A file, or a directory: FSDP's sharded checkpoints (state_dict_type=sharded) are one file per rank.

@@ -33,6 +33,7 @@ class DataSchema:
     max_documents: Optional[int] = None
     tokenize_procs: Optional[int] = None
     pin_memory: Optional[bool] = None
+    document_mask: bool = False
 
 
 @dataclass
@@ -52,6 +53,13 @@ class ModelSchema:
     mlp_ratio: int = 4
     d_ff: Optional[int] = None
     fp32_residual: bool = False
+    reset_position_ids: bool = True
+
+
+@dataclass
+class AttentionSchema:
+    name: str = "sdpa"
+    window: Optional[int] = None
 
 
 @dataclass
@@ -89,6 +97,7 @@ class TrainSchema:
     ckpt_every: int = 500
     output_dir: Optional[str] = None
     data: DataSchema = field(default_factory=DataSchema)
+    attention: AttentionSchema = field(default_factory=AttentionSchema)
     model: ModelSchema = field(default_factory=ModelSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)

@@ -31,7 +31,7 @@ def test_every_option_composes(group):
     assert options, f"conf/{group} is empty"
     for option in options:
         cfg = _compose(f"{group}={option}")
-        assert cfg.seq_len > 0 and cfg.attention.name in ("naive", "sdpa", "flash")
+        assert cfg.seq_len > 0 and cfg.attention.name in ("naive", "sdpa", "flex", "flash")
 
 
 def test_everyday_launch_keys():
