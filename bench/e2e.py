@@ -17,6 +17,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss fused  # loss=fused rows
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash flex sdpa --document-mask both \
+        --modes pipeline                                  # document masking beside the unmasked rows
 
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
 subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
@@ -56,8 +58,9 @@ FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7
 
 
 def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int,
-               trainer: str = "gpu", loss: str = "torch") -> list[str]:
+               trainer: str = "gpu", loss: str = "torch", document_mask: bool = False) -> list[str]:
     return [
+        f"data.document_mask={str(document_mask).lower()}",
         f"model={model}",
         f"loss={loss}",
         f"attention={attention}",
@@ -104,10 +107,11 @@ def _check_steps(warmup: int, steps: int) -> None:
 
 
 def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-                 loss: str = "torch") -> dict:
+                 loss: str = "torch", document_mask: bool = False) -> dict:
     """The real pipeline on one GPU, in this process; returns the perf/* rates over the last `steps` steps."""
     _check_steps(warmup, steps)
-    cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, loss=loss),
+    cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, loss=loss,
+                                document_mask=document_mask),
                     f"output_dir={RESULTS / 'runs'}"])
     cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
     return _rates(train(cfg))
@@ -129,13 +133,13 @@ def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> d
 
 
 def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-                       gpus: int, strategy: str, loss: str = "torch") -> dict:
+                       gpus: int, strategy: str, loss: str = "torch", document_mask: bool = False) -> dict:
     """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml."""
     _check_steps(warmup, steps)
     run_dir = RESULTS / "runs" / (f"{model}_{batch}x{seq_len}_{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
-                                  f"{'_fused_loss' if loss == 'fused' else ''}")
+                                  f"{'_fused_loss' if loss == 'fused' else ''}{'_docmask' if document_mask else ''}")
     overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy,
-                             loss=loss),
+                             loss=loss, document_mask=document_mask),
                  f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
     return _rates(launch_train(overrides, run_dir))
 
@@ -193,13 +197,15 @@ def _free_cuda() -> None:
 
 
 def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             gpus: int = 1, strategy: str = "single", loss: str = "torch") -> dict:
+             gpus: int = 1, strategy: str = "single", loss: str = "torch", document_mask: bool = False) -> dict:
     try:
         if gpus > 1:
-            out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss)
+            out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
+                                     document_mask)
+        elif mode == "pipeline":
+            out = run_pipeline(model, seq_len, batch, attention, compile, warmup, steps, loss, document_mask)
         else:
-            fn = run_pipeline if mode == "pipeline" else run_bare
-            out = fn(model, seq_len, batch, attention, compile, warmup, steps, loss)
+            out = run_bare(model, seq_len, batch, attention, compile, warmup, steps, loss)
         out["status"] = "ok"
     except (torch.OutOfMemoryError, TrainingOutOfMemory):
         out = {"status": "OOM"}
@@ -222,11 +228,18 @@ def _attention(r: dict) -> str:
     rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual', and
     rows whose blocks passed the fused qkv whole (model/attention.py's qkv-packed form): '..., qkv packed'.
     Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views. Rows of
-    loss=fused (model/cross_entropy.py) end in ', fused loss'."""
+    loss=fused (model/cross_entropy.py) end in ', fused loss'; rows with data.document_mask=true say so:
+    'flash vN, document mask, ...'."""
     name = f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
+    name = f"{name}, document mask" if r.get("document_mask") else name
     name = f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
     name = f"{name}, qkv packed" if r.get("qkv") == "packed" else name
     return f"{name}, fused loss" if r.get("loss") == "fused" else name
+
+
+def _masking(r: dict) -> str:
+    """The attention word of a row and whether it masked documents (one bar each in the figure)."""
+    return f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
 
 
 def residual_dtype(model: str) -> str:
@@ -303,7 +316,7 @@ def plot(rows: list[dict], path: Path) -> None:
     # dtype; a bar for each made the figure too wide to read). Rows from before the "run" field sort first.
     pipe = sorted((r for r in rows if r["mode"] == "pipeline"), key=lambda r: r.get("run") or "")
     groups = sorted({(r["model"], r["seq_len"], r["batch"]) for r in pipe})
-    by_case = {(r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], *_gpus(r)): r for r in pipe}
+    by_case = {(r["model"], r["seq_len"], r["batch"], _masking(r), r["compile"], *_gpus(r)): r for r in pipe}
     variants = sorted({case[3:] for case in by_case})
     if not groups:
         return
@@ -339,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seqlens", nargs="+", type=int, default=[2048, 4096, 8192])
     ap.add_argument("--attentions", nargs="+", default=["naive", "sdpa", "flash"])
     ap.add_argument("--compile", choices=["no", "yes", "both"], default="no")
+    ap.add_argument("--document-mask", choices=["no", "yes", "both"], default="no",
+                    help="data.document_mask: attention within each document (pipeline rows only)")
     ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="tokens per GPU step: batch = this // T")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
     ap.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts to run (N > 1: train.py with --strategy)")
@@ -360,22 +375,27 @@ def main(argv: list[str] | None = None) -> None:
         meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat(),
                 "run": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # this invocation
         compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+        masks = {"no": [False], "yes": [True], "both": [False, True]}[args.document_mask]
         # naive last: an OOM leaves the allocator fragmented for whatever runs after it
         attentions = sorted(args.attentions, key=lambda a: a == "naive")
         new = []
-        for model, T, attn, comp, gpus in itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus):
+        cases = itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus, masks)
+        for model, T, attn, comp, gpus, docs in cases:
             strategy = args.strategy if gpus > 1 else "single"
             B = max(1, args.tokens_per_step // T)
-            for mode in args.modes if gpus == 1 else ["pipeline"]:  # the bare loop is single-GPU
+            # the bare loop is single-GPU, and has no data: no documents
+            for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
                 t0 = time.perf_counter()
-                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss)
+                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss, docs)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model), loss=args.loss,
-                         qkv=qkv_layout(model, attn),
-                         **({"kernel": KERNEL_VERSION} if attn == "flash" else {}))
+                         qkv="views" if docs else qkv_layout(model, attn),  # documents: q, k, v views (model/gpt.py)
+                         **({"kernel": KERNEL_VERSION} if attn == "flash" else {}),
+                         **({"document_mask": True} if docs else {}))
                 new.append(r)
                 print(
                     f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
+                    f"{'document mask ' if docs else ''}"
                     f"-> {r['status']} {_fmt(r, 'tokens_per_s')} tok/s/GPU {_fmt(r, 'tflops_per_gpu', 1, 1)} "
                     f"TFLOP/s MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
                     flush=True,

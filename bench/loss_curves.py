@@ -14,9 +14,16 @@ is plotted as logged (rank 0's last micro-batch), smoothed.
     python bench/loss_curves.py --gpus 2                      # GPT3-125M, 1k context, 200 steps
     python bench/loss_curves.py --gpus 2 --strategy fsdp --attention sdpa
     python bench/loss_curves.py --vs model.fp32_residual=true  # bf16 vs fp32 residual stream, 1 GPU
+    python bench/loss_curves.py --vs data.document_mask=true   # unmasked vs document-masked attention
     python bench/loss_curves.py --plot-only
 
-Writes bench/results/loss_curves.json (one entry per device and setting) and loss_curves_<device>.png.
+With --vs data.document_mask=true both runs read the same windows in the same order; each measures its val
+loss with the attention it trains with (the masked run's val tokens see their own document only).
+--device cpu runs the pair on the CPU (a tiny model: --model gpt-tiny --attention sdpa, and --overrides for the
+rest), which is how the script is tested.
+
+Writes bench/results/loss_curves.json (one entry per device and setting) and, next to it,
+loss_curves_<device>.png.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def compare(one: dict, multi: dict) -> dict:
 def plan(args: argparse.Namespace) -> tuple[tuple[str, int, str, list[str]], ...]:
     """The two runs: (name, GPUs, conf/trainer name, extra overrides) each."""
     if args.vs:
-        return ("base", 1, "gpu", []), ("vs", 1, "gpu", list(args.vs))
+        return ("base", 1, args.device, []), ("vs", 1, args.device, list(args.vs))
     return ("one", 1, "gpu", []), ("multi", args.gpus, args.strategy, [])
 
 
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> dict:
         f"model={args.model}", f"attention={args.attention}", f"seq_len={args.seq_len}", f"data.batch_size={args.batch}",
         f"global_batch_tokens={tokens}", f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=5",
         "logger=csv", "~callbacks.checkpoint", "+trainer.enable_checkpointing=false", f"seed={args.seed}",
+        *args.overrides,
     ]
     vs = " ".join(args.vs)
     tag = f"{args.model}_{args.seq_len}_{args.attention}_" + (
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
         # val_check_interval counts micro-batches: validate at the same optimizer steps in both runs
         overrides = [*common, f"trainer={trainer}", f"trainer.devices={gpus}",
                      f"trainer.val_check_interval={args.val_every * accumulation}", *extra]
-        run_dir = RESULTS / "runs" / f"loss_{tag}_{name}"
+        run_dir = args.out.parent / "runs" / f"loss_{tag}_{name}"
         metrics = launch_train(overrides, run_dir, timeout=args.timeout)
         (metrics_csv,) = (run_dir / "csv").rglob("metrics.csv")
         curves[name] = {**read_curves(metrics_csv), "tokens_per_s": metrics.get("perf/tokens_per_s"), "gpus": gpus}
@@ -95,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
               flush=True)
     (a, _, _, _), (b, _, _, _) = runs
     entry = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if args.device == "gpu" else "cpu", "torch": torch.__version__, "date": date.today().isoformat(),
         "model": args.model, "seq_len": args.seq_len, "attention": args.attention, "gpus": gpus_max,
         "strategy": args.strategy if gpus_max > 1 else "single", "global_batch_tokens": tokens, "steps": args.steps,
         "seed": args.seed, **compare(curves[a], curves[b]), "curves": curves,
@@ -138,6 +146,8 @@ def plot(entries: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="where --vs runs its pair")
+    ap.add_argument("--overrides", nargs="+", default=[], metavar="OVERRIDE", help="train.py overrides for both runs")
     ap.add_argument("--vs", nargs="+", default=[], metavar="OVERRIDE",
                     help="compare the defaults with these train.py overrides on one GPU, instead of 1 vs --gpus GPUs")
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
@@ -154,8 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     entries = json.loads(args.out.read_text()) if args.out.is_file() else []
+    if args.device == "cpu" and not args.vs:
+        raise SystemExit("--device cpu runs a --vs pair; 1 vs N GPUs needs GPUs")
     if not args.plot_only:
-        need = 1 if args.vs else args.gpus
+        need = 0 if args.device == "cpu" else 1 if args.vs else args.gpus
         if torch.cuda.device_count() < need:
             raise SystemExit(f"{'--vs' if args.vs else f'--gpus {need}'} needs {need} GPU(s) but this machine has "
                              f"{torch.cuda.device_count()}")
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     if not can_plot("bench/loss_curves.py"):
         return
     for dev in sorted({e["device"] for e in entries}):
-        plot([e for e in entries if e["device"] == dev], RESULTS / f"loss_curves_{device_slug(dev)}.png")
+        plot([e for e in entries if e["device"] == dev], args.out.with_name(f"{args.out.stem}_{device_slug(dev)}.png"))
 
 
 if __name__ == "__main__":

@@ -92,3 +92,14 @@ def test_rows_record_whether_the_blocks_pack_qkv():
     assert e2e.qkv_layout("gpt3-1.3b", "flash") == "packed"
     assert e2e.qkv_layout("gpt3-1.3b", "sdpa") == "views"
     assert e2e.qkv_layout("llama-1b", "flash") == "views"
+
+
+def test_document_mask_rows_are_their_own_case_beside_the_unmasked_ones(tmp_path):
+    plain, masked = _row("pipeline", "flash", 210.0), {**_row("pipeline", "flash", 200.0), "document_mask": True}
+    assert e2e._attention(masked) == "flash, document mask" and e2e._key(plain) != e2e._key(masked)
+    rows = e2e.merge(tmp_path / "e2e.json", [plain, masked])
+    assert len(rows) == 2
+    md = e2e.table(rows)
+    assert "| flash | no |" in md and "| flash, document mask | no |" in md
+    assert "data.document_mask=true" in e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 10, 5, document_mask=True)
+    e2e.plot(rows, tmp_path / "e2e.png")
