@@ -92,7 +92,7 @@ def _causal_mask(t_q: int, t_k: int, device: torch.device, window: int | None = 
 
 
 def document_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """cu_seqlens (n + 1,) of B windows of T tokens packed -> (B, T) int32: each token's document index (unique
+    """cu_seqlens (n + 1,) of B windows of T tokens packed -> (B, T) int64: each token's document index (unique
     over the batch). Empty sequences (the padding data/windows.py adds) own no token."""
     tokens = torch.arange(batch * seq_len, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     doc = torch.searchsorted(cu_seqlens, tokens, right=True) - 1  # (B·T,): the last boundary at or before it
