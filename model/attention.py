@@ -23,7 +23,7 @@ BlockMask, naive and sdpa a dense (B, 1, Tq, Tk) boolean mask.
   matrix; it is the baseline that runs out of memory at long context (FA2 paper, Figure 5).
 - sdpa:  torch.nn.functional.scaled_dot_product_attention with PyTorch's own backend choice
   (cuDNN or FA2 on Hopper, the C++ math kernel on CPU). With a mask it takes an explicit boolean mask,
-  which rules the flash and cuDNN backends out: the slow path.
+  which rules PyTorch's flash backend out and computes every tile before masking it: the slow path.
 - flex:  PyTorch's FlexAttention (torch.nn.attention.flex_attention) with a block mask (causal, window,
   documents), compiled on a GPU; eager (a reference computation) on a CPU.
 - flash: this repository's compiled FlashAttention-2 kernel (flash_kernel/); with documents, the whole batch
@@ -224,8 +224,9 @@ def flex_attention(q, k, v, causal: bool = True, softmax_scale: float | None = N
     q_, k_, v_ = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D) views, no copy
     block_mask = mask.block_mask if mask is not None else None
     if q.is_cuda:
-        o = _flex_attention_compiled()(q_, k_, v_, block_mask=block_mask, scale=softmax_scale,
-                                       enable_gqa=q.shape[2] != k.shape[2])
+        # Inside a compiled model, flex_attention compiles with the graph; outside, through its own compile.
+        run = flex.flex_attention if torch.compiler.is_compiling() else _flex_attention_compiled()
+        o = run(q_, k_, v_, block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
     else:
         with warnings.catch_warnings():  # eager is what a CPU runs (tests, sampling): no advice to compile
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
