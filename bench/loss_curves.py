@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> dict:
               flush=True)
     (a, _, _, _), (b, _, _, _) = runs
     entry = {
-        "device": torch.cuda.get_device_name() if args.device == "gpu" else "cpu", "torch": torch.__version__, "date": date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if args.device == "gpu" else "cpu", "torch": torch.__version__,
+        "date": date.today().isoformat(),
         "model": args.model, "seq_len": args.seq_len, "attention": args.attention, "gpus": gpus_max,
         "strategy": args.strategy if gpus_max > 1 else "single", "global_batch_tokens": tokens, "steps": args.steps,
         "seed": args.seed, **compare(curves[a], curves[b]), "curves": curves,

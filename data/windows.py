@@ -69,8 +69,8 @@ def packed_cu_seqlens(doc_start: torch.Tensor) -> torch.Tensor:
     one after another (B·T tokens), FlashAttention's varlen layout. Every window starts a document, so no
     document crosses a window. n_pad is the number of documents n rounded up to a power of two, the extra
     sequences empty (cu_seqlens repeats B·T): the tensor's length is then one of log2(B·T) + 1 sizes, so
-    torch.compile sees few shapes (and marks the length dynamic after the first change), the model learns the
-    count from the length with no device-to-host copy, and the kernel's grid and workspaces (which grow with the
+    torch.compile sees few shapes (and marks the length dynamic after the first change), the host knows the
+    count from the length without reading the tensor, and the kernel's grid and workspaces (which grow with the
     number of sequences) stay within 2x of the documents' own."""
     batch, seq_len = doc_start.shape
     starts = doc_start.reshape(-1).nonzero().squeeze(1)  # (n,) offsets in the packed batch

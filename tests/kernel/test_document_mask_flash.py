@@ -75,7 +75,7 @@ def test_compiled_gpt_takes_batches_with_different_document_counts(name):
     model = GPT(GPTConfig(vocab_size=500, seq_len=256, n_layer=2, n_head=4, d_model=256, attention=name)).cuda()
     model.compile()
     idx = torch.randint(0, 500, (2, 256), device="cuda")
-    for n_docs in (1, 3, 9, 20):  # cu_seqlens of 3, 9, 33 and 65 entries
+    for n_docs in (1, 3, 9, 20):  # cu_seqlens of 5, 9, 33 and 65 entries
         cu = packed_cu_seqlens(_starts(2, 256, n_docs=n_docs, seed=n_docs)).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = next_token_loss(model(idx, cu_seqlens=cu), idx)
