@@ -30,11 +30,20 @@ def _unpack(qkv_shape) -> tuple[tuple, tuple, tuple]:
     return ((B, T, H, D),) * 3
 
 
+def _per_query_head(kv_shape, q_shape) -> tuple[int, int, int, int]:
+    """k or v as torch's formulas count it: one head per query head (GQA shares k and v, not the work; torch's
+    sdpa formulas refuse fewer K/V heads than Q heads)."""
+    B, T, _, D = kv_shape
+    return B, T, q_shape[2], D
+
+
 def _fwd_count(q_shape, k_shape, v_shape) -> int:
+    k_shape, v_shape = _per_query_head(k_shape, q_shape), _per_query_head(v_shape, q_shape)
     return sdpa_flop_count(_bhtd(q_shape), _bhtd(k_shape), _bhtd(v_shape))
 
 
 def _bwd_count(do_shape, q_shape, k_shape, v_shape) -> int:
+    k_shape, v_shape = _per_query_head(k_shape, q_shape), _per_query_head(v_shape, q_shape)
     return sdpa_backward_flop_count(_bhtd(do_shape), _bhtd(q_shape), _bhtd(k_shape), _bhtd(v_shape))
 
 

@@ -138,3 +138,16 @@ def test_flash_qkvpacked_op_flop_formulas():
             ops.bwd_qkvpacked(o, qkv, o, lse, 0.125, True, False)
     fwd = 4 * B * H * T * T * D
     assert counter.get_flop_counts()["Global"] == {ops.fwd_qkvpacked: 2 * fwd, ops.bwd_qkvpacked: 10 * B * H * T * T * D}
+
+
+def test_kernel_flop_formulas_count_every_query_head_under_gqa():
+    """flash_kernel's registered formulas take K/V with fewer heads than Q (GQA/MQA), which torch's own sdpa
+    formulas refuse, and count 4·B·Hq·T²·D forward and 10·B·Hq·T²·D backward, as with as many K/V heads as Q."""
+    from flash_kernel.flop_count import _bwd_count, _fwd_count
+
+    B, T, Hq, D = 2, 256, 4, 128
+    q = (B, T, Hq, D)
+    for n_kv in (4, 2, 1):
+        kv = (B, T, n_kv, D)
+        assert _fwd_count(q, kv, kv) == 4 * B * Hq * T * T * D
+        assert _bwd_count(q, q, kv, kv) == 10 * B * Hq * T * T * D
