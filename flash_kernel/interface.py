@@ -535,8 +535,7 @@ def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
     stats = torch.stack([torch.stack([cu[0], cu[-1], (cu[1:] - cu[:-1]).min(), (cu[1:] - cu[:-1]).max()])
                          for _, cu, _, _ in pending]).tolist()
     for (name, cu, total, max_len), (first, last, shortest, longest) in zip(pending, stats):
-        seqlens = "cu_seqlens_q" if name.endswith("q") else "cu_seqlens_k"
-        which = "q" if name.endswith("q") else "k"
+        which = name[-1]  # "q" or "k"
         if first != 0:
             _fail(f"{name}[0] is {first}; it must be 0 (the first sequence starts at row 0)")
         if shortest < 0:
@@ -546,7 +545,7 @@ def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
         if last != total:
             _fail(f"{name}[-1] is {last} but {which} has {total} rows; it must end at the packed length")
         if longest > max_len:
-            _fail(f"a sequence of {seqlens} has {longest} rows, more than max_seqlen_{which} = {max_len}; pass the "
+            _fail(f"a sequence of {name} has {longest} rows, more than max_seqlen_{which} = {max_len}; pass the "
                   f"longest sequence's length (or more)")
         setattr(cu, _CHECKED_ATTR, (cu._version, total, max_len))
 

@@ -84,11 +84,10 @@ def check_window(window: int | None) -> None:
 
 def _causal_mask(t_q: int, t_k: int, device: torch.device, window: int | None = None) -> torch.Tensor:
     """True where query i may attend key j (bottom-right aligned): j <= i + (Tk - Tq), and with a window
-    j >= i + (Tk - Tq) - window. Shape (Tq, Tk)."""
-    i = torch.arange(t_q, device=device).unsqueeze(1) + (t_k - t_q)
-    j = torch.arange(t_k, device=device).unsqueeze(0)
-    visible = j <= i
-    return visible if window is None else visible & (j >= i - window)
+    j >= i + (Tk - Tq) - window. Shape (Tq, Tk). The kernel's own rule (flash_kernel.reference.visible_keys)."""
+    from flash_kernel.reference import visible_keys
+
+    return visible_keys(t_q, t_k, True, (-1 if window is None else window, 0), device)
 
 
 def document_ids(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
