@@ -1,7 +1,14 @@
 """Document masking and sliding windows on a GPU: flash (the varlen kernel, the whole batch in one call) and flex
 (compiled FlexAttention) against the fp32 per-document reference, forward and backward, within twice the error
 of PyTorch's own bf16 sdpa (the FA2 paper's rule); the GPT's loss and gradients through each; and a compiled GPT
-whose batches bring cu_seqlens of changing lengths."""
+whose batches bring cu_seqlens of changing lengths; and DDP and FSDP runs on two GPUs with document masking that
+resume from their middle checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +17,10 @@ from data.windows import packed_cu_seqlens
 from model.attention import ATTENTION, attention_mask
 from model.gpt import GPT, GPTConfig
 from model.loss import next_token_loss
+from run_overrides import tiny_run_overrides
 
 pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _starts(batch, seq_len, n_docs, seed):
@@ -81,3 +90,36 @@ def test_compiled_gpt_takes_batches_with_different_document_counts(name):
             loss = next_token_loss(model(idx, cu_seqlens=cu), idx)
         loss.backward()
         assert torch.isfinite(loss)
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP and FSDP with document masking: needs 2 GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gpu_run_with_document_mask_resumes_onto_the_uninterrupted_run(data_cache, tmp_path, strategy):
+    """Both ranks pack their documents into one varlen call per layer; a run resumed from step 4's checkpoint (an
+    FSDP checkpoint is a directory of shards) reaches the last step with the uninterrupted run's loss, up to the
+    attention backward's atomics."""
+    steps = 8
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def launch(out, *extra):
+        overrides = tiny_run_overrides(
+            data_cache, out, f"trainer={strategy}", "trainer.devices=2", "trainer.precision=bf16-mixed",
+            "attention=flash", "data.document_mask=true", "model.d_model=128", "model.n_head=2", "logger=none",
+            f"trainer.max_steps={steps}", "ckpt_every=4", "trainer.val_check_interval=4", *extra)
+        proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((out / "metrics.json").read_text())
+
+    straight = launch(tmp_path / "straight")
+    middle = tmp_path / "straight" / "checkpoints" / "step0000004.ckpt"
+    assert middle.is_dir() if strategy == "fsdp" else middle.is_file()
+    resumed = launch(tmp_path / "resumed", f"ckpt_path={middle}")
+    assert straight["world_size"] == resumed["world_size"] == 2
+    assert straight["global_step"] == resumed["global_step"] == steps
+    assert resumed["train/loss"] == pytest.approx(straight["train/loss"], rel=2e-2)
+    assert resumed["val/loss"] == pytest.approx(straight["val/loss"], rel=2e-2)
