@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
+from model.allreduce import AllReduceState, average_hook, slim_group
 from model.gpt import Block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -46,26 +47,56 @@ def processes_per_node(accelerator: str, devices: Any) -> int:
     return len(devices)  # a list of device indices
 
 
+def set_sm_carveout(sms: int) -> None:
+    """Leave `sms` SMs of each GPU to the collectives that overlap compute: the persistent kernels (cuBLASLt's
+    matmuls, the attention forward) launch one CTA per SM and give each CTA a fixed share of the tiles, so a CTA
+    that finds its SM held by an all-reduce starts late and the whole kernel waits for it. With the carve-out
+    they launch on the other SMs. 0 keeps every SM for compute.
+
+    It sets process-wide state: torch's experimental matmul carve-out, and cuBLASLt as the matmul backend so
+    that every matmul honours it."""
+    if sms < 0:
+        raise ValueError(f"trainer.strategy.sm_carveout={sms}: use 0 (off) or a number of SMs")
+    if sms == 0:
+        return
+    torch._C._set_sm_carveout_experimental(sms)
+    if torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
+class AveragingDDPStrategy(DDPStrategy):
+    """Lightning's DDP with model/allreduce.py's hook: NCCL averages the gradients in `reduce_dtype`, and with
+    sm_carveout > 0 every bucket but the last travels on a communicator of sm_carveout CTAs."""
+
+    def __init__(self, reduce_dtype: torch.dtype, sm_carveout: int, **ddp: Any) -> None:
+        super().__init__(ddp_comm_state=AllReduceState(dtype=reduce_dtype), ddp_comm_hook=average_hook, **ddp)
+        self.sm_carveout = sm_carveout
+
+    def configure_ddp(self) -> None:
+        if self.sm_carveout and self.root_device.type == "cuda":  # the process group exists by now
+            self._ddp_comm_state.slim = slim_group(self.sm_carveout)
+        super().configure_ddp()
+
+
 def data_parallel(
     accelerator: str = "auto",
     devices: Any = "auto",
     num_nodes: int = 1,
     reduce_dtype: str = "fp32",
+    sm_carveout: int = 0,
     **ddp: Any,
 ) -> DDPStrategy | str:
     """DDP with these settings when the run has several ranks; "auto" (Lightning's one-device strategy, no
     wrapper and no all-reduce) when it has one.
 
-    reduce_dtype="bf16" all-reduces the gradients in bf16 (torch's bf16_compress_hook): half the bytes, and
-    each averaged gradient rounded to bf16 once more per step.
+    The gradients are averaged by NCCL in reduce_dtype (model/allreduce.py); bf16: half the bytes, and each
+    averaged gradient rounded to bf16 once more per step. sm_carveout: see set_sm_carveout and
+    model/allreduce.py.
     """
     if processes_per_node(str(accelerator), devices) * int(num_nodes) <= 1:
         return "auto"
-    if _dtype("reduce_dtype", reduce_dtype) == torch.bfloat16:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
-        ddp["ddp_comm_hook"] = bf16_compress_hook
-    return DDPStrategy(**ddp)
+    set_sm_carveout(int(sm_carveout))
+    return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), **ddp)
 
 
 def fsdp_strategy(

@@ -150,7 +150,8 @@ def describe_launch(trainer, launcher: Launcher) -> str:
     if device.type == "cuda":
         line += f" ({torch.cuda.get_device_name(device)})"
     name = type(trainer.strategy).__name__
-    strategy = {"SingleDeviceStrategy": "one device", "DDPStrategy": "DDP", "FSDPStrategy": "FSDP"}.get(name, name)
+    strategy = {"SingleDeviceStrategy": "one device", "DDPStrategy": "DDP", "AveragingDDPStrategy": "DDP",
+                "FSDPStrategy": "FSDP"}.get(name, name)
     line += f", {strategy}"
     if world > 1:
         line += f", ranks started by {launcher.name if launcher.external else 'Lightning'}"

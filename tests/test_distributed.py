@@ -11,8 +11,10 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 import model.distributed as distributed
 import train  # noqa: F401  (registers the resolvers)
+from model.allreduce import average_hook
 from model.distributed import clip_sharded_grad_norm_, data_parallel, fsdp_strategy, processes_per_node
 from model.gpt import LayerNorm, RMSNorm
+from two_ranks import spawn_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +48,8 @@ def test_default_trainer_is_ddp_on_several_ranks_and_no_wrapper_on_one(gpus):
     strategy = instantiate(_compose().trainer.strategy)  # the plain launch on a node of 2 GPUs
     assert isinstance(strategy, DDPStrategy)
     assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "broadcast_buffers": False, "bucket_cap_mb": 25}
-    assert strategy._ddp_comm_hook is None  # gradients all-reduced in fp32
+    assert strategy._ddp_comm_hook is average_hook and strategy._ddp_comm_state.dtype == torch.float32
+    assert strategy.sm_carveout == 0
     assert instantiate(_compose("trainer.devices=1").trainer.strategy) == "auto"
     assert instantiate(_compose("trainer=gpu").trainer.strategy) == "auto"
     assert instantiate(_compose("trainer.devices=1", "trainer.num_nodes=2").trainer.strategy)._ddp_kwargs
@@ -55,13 +58,30 @@ def test_default_trainer_is_ddp_on_several_ranks_and_no_wrapper_on_one(gpus):
 
 
 def test_ddp_reduces_in_bf16_only_when_asked(gpus):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
     gpus(2)
     strategy = instantiate(_compose("trainer=ddp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
-    assert strategy._ddp_comm_hook is bf16_compress_hook
+    assert strategy._ddp_comm_hook is average_hook and strategy._ddp_comm_state.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="trainer.strategy.reduce_dtype='fp16'"):
         data_parallel(devices=2, reduce_dtype="fp16")
+
+
+@pytest.fixture
+def carveout_state():
+    """set_sm_carveout changes process-wide state: torch's matmul carve-out, restored here."""
+    yield
+    torch._C._set_sm_carveout_experimental(None)
+
+
+def test_sm_carveout_sets_the_matmul_carveout_only_when_asked(gpus, carveout_state):
+    gpus(0)  # the CPU build has no cuBLASLt to prefer: the carve-out is what this checks
+    assert instantiate(_compose("trainer=ddp", "trainer.devices=2").trainer.strategy).sm_carveout == 0
+    assert torch._C._get_sm_carveout_experimental() is None
+    strategy = data_parallel(accelerator="cpu", devices=2, sm_carveout=8)
+    assert strategy.sm_carveout == 8 and "sm_carveout" not in strategy._ddp_kwargs
+    assert torch._C._get_sm_carveout_experimental() == 8
+    assert data_parallel(accelerator="cpu", devices=1, sm_carveout=8) == "auto"  # one rank: nothing to overlap
+    with pytest.raises(ValueError, match="trainer.strategy.sm_carveout=-1"):
+        data_parallel(accelerator="cpu", devices=2, sm_carveout=-1)
 
 
 def test_fsdp_gathers_bf16_weights_and_reduces_fp32_gradients():
@@ -175,15 +195,7 @@ def _clip_on_fsdp_shards(rank: int, port: int, results) -> None:
 @pytest.mark.gpu
 @two_gpus
 def test_sharded_clip_equals_fsdps_own_on_two_gpus():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_clip_on_fsdp_shards, args=(port, results), nprocs=2)
+    results = spawn_two_ranks(_clip_on_fsdp_shards)
     for rank in (0, 1):
         theirs, ours, same, with_grads = results[rank]
         assert ours == pytest.approx(theirs, rel=1e-5) and theirs > 1e-3  # the clip acted

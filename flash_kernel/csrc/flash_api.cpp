@@ -273,7 +273,10 @@ void fill_fwd_params(flash::FwdParams& p, const Sizes& s, const at::Tensor& q, c
     set_window(p, causal, window_left, window_right);
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();  // the caller's device guard is set
-    p.num_sms = props->multiProcessorCount;
+    // The persistent forward grid leaves torch's SM carve-out to the collectives that overlap it
+    // (trainer.strategy.sm_carveout, model/distributed.py), as cuBLASLt's matmuls do.
+    const int carveout = at::globalContext()._SMCarveout_EXPERIMENTAL().value_or(0);
+    p.num_sms = std::max(1, props->multiProcessorCount - carveout);
     set_smem_limits(p, props);
 }
 
