@@ -9,6 +9,9 @@
 #                                                    # `varlen --cases corpus lognormal fixed1k fixed2k fixed4k`, `varlen --cases window`
 #   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
+#   bash bench/device_run.sh launchers [launchers.py args]  # >= 2 GPUs: the DDP step's profile, then per-GPU
+#                                                    # throughput per launch (e.g. --cases gpt3-1.3b:8192:2
+#                                                    # --launches 1gpu python ddp_sm_carveout_4)
 #
 # Stages chain: `bash bench/device_run.sh check && bash bench/device_run.sh kernel --methods ours sdpa_flash`.
 # Run nothing that asks git about the tree on the GPU machine: a copy of the working tree there may carry an
@@ -20,7 +23,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
-stage=${1:?usage: bench/device_run.sh check|kernel|varlen|e2e|multi [args]}
+stage=${1:?usage: bench/device_run.sh check|kernel|varlen|e2e|multi|launchers [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -99,13 +102,24 @@ multi)
     data_quietly
     nvidia-smi topo -m | head -n 4
     # train.py launched as users launch it: DDP with both attentions, FSDP checkpoints resumed (sharded, full)
-    step 420 multi_tests $PY -m pytest -q -rfEs tests/test_train.py -k "gpus or fsdp"
+    step 420 multi_tests $PY -m pytest -q -rfEs tests/test_train.py tests/test_allreduce.py tests/test_distributed.py \
+        tests/kernel/test_document_mask_flash.py -k "gpus or fsdp or two_gpu"
     tail -n 8 "$OUT/multi_tests.log"
     step 420 loss_curves $PY bench/loss_curves.py "$@"
     grep -E "^\[loss\]" "$OUT/loss_curves.log"
     ;;
+launchers)
+    build_quietly
+    data_quietly
+    nvidia-smi topo -m | head -n 4
+    step 120 profile_ddp $PY -m torch.distributed.run --standalone --nproc_per_node=2 bench/profile_step.py \
+        --seq-len 8192 --top 5
+    grep -E "wall|NCCL kernels|^\| (communication|matmul|elementwise|all kernels) " "$OUT/profile_ddp.log"
+    step 540 launchers $PY bench/launchers.py "$@"
+    grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
+    ;;
 *)
-    echo "unknown stage $stage (check | kernel | varlen | e2e | multi)" >&2
+    echo "unknown stage $stage (check | kernel | varlen | e2e | multi | launchers)" >&2
     exit 2
     ;;
 esac

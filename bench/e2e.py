@@ -145,10 +145,10 @@ def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, com
 
 
 def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
-              **model_overrides):
+              wrap=None, **model_overrides):
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
     with the model when compile and loss=torch, as LitGPT), fused AdamW, clipping. Returns (step, GPTConfig);
-    model_overrides set GPTConfig fields (e.g. fp32_residual=True)."""
+    model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
     gpt = GPT(cfg).cuda()
@@ -157,13 +157,14 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
         gpt.compile()
         if loss == "torch":
             loss_fn = torch.compile(next_token_loss)
+    forward = wrap(gpt) if wrap else gpt
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device="cuda")
     inp, tgt = x[:, :-1], x[:, 1:]
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
-            value = loss_fn(gpt(inp), tgt, loss)
+            value = loss_fn(forward(inp), tgt, loss)
         value.backward()
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
         opt.step()

@@ -8,15 +8,29 @@ prints the wall time of the profiled steps beside it.
     python bench/profile_step.py --model gpt3-1.3b --seq-len 2048 --attention flash
     python bench/profile_step.py --seq-len 8192 --compile --set fp32_residual=true
 
-Rows merge into bench/results/profile.json, keyed by device and case (model, T, attention, compile, --set).
+Under torchrun (WORLD_SIZE > 1) the step runs in DDP with conf/trainer/strategy/data_parallel.yaml's settings
+(--reduce-dtype and --sm-carveout are its keys of the same names; --hook torch runs torch's own all-reduce
+instead of model/allreduce.py's), and rank 0 also reports how the gradient all-reduce meets compute: the time
+NCCL kernels run, the part of it with no other kernel running (exposed), and the CTAs (SMs) NCCL takes. The
+compute categories beside the one-GPU profile of the same case show what the overlap costs compute.
+
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --sm-carveout 4
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook torch
+
+Rows merge into bench/results/profile.json, keyed by device and case (model, T, attention, compile, --set, and
+the world size, all-reduce, reduce dtype, carve-out and NCCL protocol).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from datetime import date
@@ -31,12 +45,15 @@ sys.path.insert(0, str(REPO))
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
+DDP_CONF = REPO / "conf" / "trainer" / "strategy" / "data_parallel.yaml"
+DDP_KWARGS = ("gradient_as_bucket_view", "broadcast_buffers", "bucket_cap_mb")  # the keys torch's DDP takes
 KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
 
 # First match wins, so the specific names come before the generic ones ("copy", "elementwise"). Inductor's
 # kernels carry the aten ops they fused in their names (triton_red_fused_native_layer_norm_...), so they fall
 # into the category of the first op named here.
 CATEGORIES: list[tuple[str, str]] = [
+    ("communication", r"nccl"),
     ("attention", r"flash|fmha|sdpa|attn"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|\bmm\b|addmm"),
     ("AdamW", r"adam"),
@@ -74,8 +91,45 @@ def summarize(kernels: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float]:
-    """(kernel ms per step by name, wall ms per profiled step)."""
+def _merged(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as sorted, disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _common_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two _merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def communication_overlap(kernels: list[dict], steps: int) -> dict:
+    """From chrome-trace kernel events ({"name", "ts", "dur" in µs, "args": {"grid"}}): ms per step during
+    which NCCL kernels run, and how much of it no other kernel runs beside them (exposed); the most CTAs one
+    NCCL kernel launched."""
+    comm = [k for k in kernels if category(k["name"]) == "communication"]
+    nccl = _merged((k["ts"], k["ts"] + k["dur"]) for k in comm)
+    compute = _merged((k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) != "communication")
+    busy = sum(end - start for start, end in nccl)
+    hidden = _common_length(nccl, compute)
+    return {"nccl_ms": busy / 1e3 / steps, "exposed_ms": (busy - hidden) / 1e3 / steps,
+            "nccl_ctas": max((math.prod(k.get("args", {}).get("grid", [0])) for k in comm), default=0)}
+
+
+def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, list[dict]]:
+    """(kernel ms per step by name, wall ms per profiled step, the kernels' chrome-trace events)."""
     from torch.profiler import ProfilerActivity
 
     for _ in range(warmup):
@@ -87,7 +141,38 @@ def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float]:
             step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    return kernel_times(prof, steps), wall_ms
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    return kernel_times(prof, steps), wall_ms, [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+
+
+def ddp_wrap(reduce_dtype: str, sm_carveout: int, hook: str):
+    """Join torchrun's process group and return a function that wraps the GPT in DDP as the pipeline's
+    trainer=ddp does (conf/trainer/strategy/data_parallel.yaml, model/allreduce.py's hook); hook="torch":
+    torch's own all-reduce (a divide kernel, then a sum), fp32 only."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from model.allreduce import AllReduceState, average_hook, slim_group
+    from model.distributed import DTYPES
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    conf = yaml.safe_load(DDP_CONF.read_text())
+    settings = {k: conf[k] for k in DDP_KWARGS}
+    if hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
+        raise SystemExit("--hook torch is torch's fp32 all-reduce: no --reduce-dtype bf16, no --sm-carveout")
+    state = AllReduceState(dtype=DTYPES[reduce_dtype], slim=slim_group(sm_carveout) if sm_carveout else None)
+
+    def wrap(gpt):
+        ddp = DistributedDataParallel(gpt, device_ids=[local], **settings)
+        if hook == "average":
+            ddp.register_comm_hook(state, average_hook)
+        return ddp
+
+    return wrap
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -102,12 +187,22 @@ def parse_sets(items: list[str]) -> dict:
 
 def table(row: dict, top: int) -> str:
     wall = row["wall_ms_per_step"]
+    world = row.get("world_size", 1)
+    proto = f", NCCL_PROTO={row['nccl_protocol']}" if row.get("nccl_protocol") else ""
+    hook = ", torch's all-reduce" if row.get("hook") == "torch" else ""
+    where = (f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})" if world > 1
+             else row["device"])
+    carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
     lines = [f"{row['model']} {row['batch']}×{row['seq_len']} attention={row['attention']} compile={row['compile']} "
-             f"{row['set'] or ''} on {row['device']}: wall {wall:.1f} ms per step",
+             f"{row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
              "", "| kernels | ms per step | share of kernel time |", "|---|---|---|"]
     total = row["categories"]["all kernels"]
     for cat, ms in row["categories"].items():
         lines.append(f"| {cat} | {ms:.1f} | {100 * ms / total:.1f}% |")
+    if "overlap" in row:
+        o = row["overlap"]
+        lines += ["", f"NCCL kernels run {o['nccl_ms']:.1f} ms per step on up to {o['nccl_ctas']} CTAs; "
+                      f"{o['exposed_ms']:.1f} ms of it with no other kernel running (exposed)."]
     lines += ["", f"| largest kernels (top {top}) | ms per step |", "|---|---|"]
     for name, ms in sorted(row["kernels"].items(), key=lambda kv: -kv[1])[:top]:
         short = name if len(name) <= 110 else name[:107] + "..."
@@ -116,7 +211,8 @@ def table(row: dict, top: int) -> str:
 
 
 def _key(r: dict) -> tuple:
-    return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"))
+    return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
+            r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="profiled steps (the table is per step)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32", help="the dtype on DDP's wire (torchrun)")
+    ap.add_argument("--sm-carveout", type=int, default=0, help="SMs left to NCCL (model/distributed.set_sm_carveout)")
+    ap.add_argument("--hook", choices=["average", "torch"], default="average",
+                    help="DDP's all-reduce: model/allreduce.py's (the pipeline's) or torch's own")
+    ap.add_argument("--nccl-protocol", choices=["LL", "LL128", "Simple"], default=None,
+                    help="NCCL_PROTO (default: NCCL's choice per message size)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
     args = ap.parse_args(argv)
     overrides = parse_sets(args.set)
@@ -138,15 +240,29 @@ def main(argv: list[str] | None = None) -> None:
 
     from bench.e2e import bare_step
     from flash_kernel import KERNEL_VERSION
+    from model.distributed import set_sm_carveout
 
+    set_sm_carveout(args.sm_carveout)
+    if args.nccl_protocol:
+        os.environ["NCCL_PROTO"] = args.nccl_protocol  # read when the communicator starts
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    wrap = ddp_wrap(args.reduce_dtype, args.sm_carveout, args.hook) if world > 1 else None
     batch = max(1, args.tokens_per_step // args.seq_len)
-    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, **overrides)
-    kernels, wall_ms = profile(step, args.warmup, args.steps)
+    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, **overrides)
+    kernels, wall_ms, events = profile(step, args.warmup, args.steps)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return
     row = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
         "model": args.model, "seq_len": args.seq_len, "batch": batch, "attention": args.attention,
         "compile": args.compile, "set": " ".join(sorted(args.set)),
         **({"kernel": KERNEL_VERSION} if args.attention == "flash" else {}),
+        "sm_carveout": args.sm_carveout,
+        **({"world_size": world, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
+            "nccl_protocol": os.environ.get("NCCL_PROTO"),
+            "overlap": communication_overlap(events, args.steps)} if world > 1 else {}),
         "wall_ms_per_step": wall_ms, "categories": summarize(kernels),
         "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:KEEP_KERNELS]),
     }

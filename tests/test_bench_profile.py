@@ -30,6 +30,7 @@ KERNELS = {
     "triton_red_fused__log_softmax_nll_loss_forward_1": "cross-entropy",
     "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>": "matmul",
     "Memset (Device)": "other",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
 }
 
 
@@ -58,3 +59,20 @@ def test_table_shows_shares_and_largest_kernels():
     md = profile_step.table(row, top=1)
     assert "| matmul | 6.0 | 75.0% |" in md and "| all kernels | 8.0 | 100.0% |" in md
     assert "`nvjet_a`" in md and "`Memset`" not in md
+
+
+def test_communication_overlap_counts_nccl_time_and_the_part_no_kernel_hides():
+    """Two steps: NCCL runs 0-10 µs (hidden by a GEMM over 2-6 and an attention kernel over 5-8) and 20-24 µs
+    (alone); a second NCCL kernel over 1-3 runs on its own stream inside the first."""
+    kernels = [
+        {"name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 0.0, "dur": 10.0, "args": {"grid": [16, 1, 1]}},
+        {"name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 1.0, "dur": 2.0, "args": {"grid": [8, 1, 1]}},
+        {"name": "nvjet_sm90_tst_256x128", "ts": 2.0, "dur": 4.0, "args": {"grid": [132, 1, 1]}},
+        {"name": "flash::flash_bwd_hopper_kernel", "ts": 5.0, "dur": 3.0, "args": {"grid": [64, 16, 2]}},
+        {"name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 20.0, "dur": 4.0, "args": {"grid": [16, 1, 1]}},
+    ]
+    o = profile_step.communication_overlap(kernels, steps=2)
+    assert o["nccl_ms"] == pytest.approx(14e-3 / 2)  # the union: 10 + 4 µs
+    assert o["exposed_ms"] == pytest.approx(8e-3 / 2)  # 0-2, 8-10 and 20-24 µs
+    assert o["nccl_ctas"] == 16
+    assert profile_step.communication_overlap(kernels[2:4], steps=1) == {"nccl_ms": 0, "exposed_ms": 0, "nccl_ctas": 0}

@@ -1,0 +1,109 @@
+"""All-reduce time and bandwidth on this node's GPUs, per NCCL protocol and message size: what DDP's gradient
+buckets (bucket_cap_mb, fp32 or bf16) and the tied embedding's last bucket cost on the wire.
+
+Each protocol runs in its own torchrun world (NCCL reads NCCL_PROTO when the communicator starts); "auto"
+leaves the choice to NCCL's tuner. Sizes are the buffer's bytes; times are CUDA-event medians of --iters
+calls after --warmup. algbw = bytes / time; busbw = algbw · 2(W-1)/W (what each link carries, the figure
+nccl-tests prints). The transport lines NCCL logs (P2P, SHM, NVLS) come first.
+
+    python bench/allreduce.py                            # every GPU, protocols auto LL LL128 Simple
+    python bench/allreduce.py --protocols auto Simple --sizes-mb 25 412
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PROTOCOLS = ("auto", "LL", "LL128", "Simple")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRANSPORT = re.compile(r"via (P2P|SHM|NET)|coll channels|NVLS")
+
+
+def worker(sizes_mb: list[float], dtypes: list[str], warmup: int, iters: int) -> None:
+    """One rank: time all_reduce of each size and dtype; rank 0 prints one JSON line per case."""
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    world = dist.get_world_size()
+    for name in dtypes:
+        dtype = DTYPES[name]
+        for mb in sizes_mb:
+            x = torch.ones(int(mb * 2**20) // dtype.itemsize, dtype=dtype, device="cuda")
+            times = []
+            for i in range(warmup + iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                dist.barrier()
+                start.record()
+                dist.all_reduce(x)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append(start.elapsed_time(end) / 1e3)
+            seconds = sorted(times)[len(times) // 2]
+            algbw = x.numel() * dtype.itemsize / seconds / 1e9
+            if dist.get_rank() == 0:
+                print(json.dumps({"dtype": name, "mb": mb, "ms": seconds * 1e3, "algbw_gbs": algbw,
+                                  "busbw_gbs": algbw * 2 * (world - 1) / world}), flush=True)
+    dist.destroy_process_group()
+
+
+def run_protocol(protocol: str, gpus: int, args: argparse.Namespace) -> tuple[list[dict], list[str]]:
+    """(rows, NCCL transport lines) of one torchrun world under NCCL_PROTO=protocol."""
+    env = {**os.environ, "NCCL_DEBUG": "INFO"}
+    env.pop("NCCL_PROTO", None)
+    if protocol != "auto":
+        env["NCCL_PROTO"] = protocol
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__,
+           "--worker", "--sizes-mb", *map(str, args.sizes_mb), "--dtypes", *args.dtypes,
+           "--warmup", str(args.warmup), "--iters", str(args.iters)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"NCCL_PROTO={protocol}: torchrun exited {proc.returncode}\n{proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    log = proc.stdout + proc.stderr
+    transport = sorted({line.split("NCCL INFO", 1)[-1].strip() for line in log.splitlines()
+                        if "NCCL INFO" in line and TRANSPORT.search(line)})
+    return rows, transport
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    ap.add_argument("--sizes-mb", nargs="+", type=float, default=[0.25, 25, 412])
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
+    ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=180, help="seconds per protocol")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.sizes_mb, args.dtypes, args.warmup, args.iters)
+    gpus = args.gpus or torch.cuda.device_count()
+    if gpus < 2:
+        raise SystemExit(f"bench/allreduce.py needs 2 or more GPUs; this machine has {torch.cuda.device_count()}")
+    print(f"{gpus} × {torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL "
+          f"{'.'.join(map(str, torch.cuda.nccl.version()))}\n")
+    table = ["| NCCL_PROTO | dtype | MB | ms | algbw GB/s | busbw GB/s |", "|---|---|---|---|---|---|"]
+    for i, protocol in enumerate(args.protocols):
+        rows, transport = run_protocol(protocol, gpus, args)
+        if i == 0:
+            print("NCCL transport (rank logs):\n  " + "\n  ".join(transport[:12]) + "\n")
+        table += [f"| {protocol} | {r['dtype']} | {r['mb']:g} | {r['ms']:.3f} | {r['algbw_gbs']:.1f} | "
+                  f"{r['busbw_gbs']:.1f} |" for r in rows]
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
