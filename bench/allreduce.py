@@ -8,6 +8,8 @@ nccl-tests prints). The transport lines NCCL logs (P2P, SHM, NVLS) come first.
 
     python bench/allreduce.py                            # every GPU, protocols auto LL LL128 Simple
     python bench/allreduce.py --protocols auto Simple --sizes-mb 25 412
+
+Rows merge into bench/results/allreduce.json, keyed by GPU, GPU count, protocol, dtype and size.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import os
 import re
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
 PROTOCOLS = ("auto", "LL", "LL128", "Simple")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRANSPORT = re.compile(r"via (P2P|SHM|NET)|coll channels|NVLS")
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=180, help="seconds per protocol")
+    ap.add_argument("--out", type=Path, default=RESULTS / "allreduce.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -93,16 +98,41 @@ def main(argv: list[str] | None = None) -> None:
     gpus = args.gpus or torch.cuda.device_count()
     if gpus < 2:
         raise SystemExit(f"bench/allreduce.py needs 2 or more GPUs; this machine has {torch.cuda.device_count()}")
-    print(f"{gpus} × {torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL "
-          f"{'.'.join(map(str, torch.cuda.nccl.version()))}\n")
-    table = ["| NCCL_PROTO | dtype | MB | ms | algbw GB/s | busbw GB/s |", "|---|---|---|---|---|---|"]
+    meta = {"gpu": torch.cuda.get_device_name(), "gpus": gpus, "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": date.today().isoformat()}
+    print(f"{gpus} × {meta['gpu']}, torch {meta['torch']}, NCCL {meta['nccl']}\n")
+    new = []
     for i, protocol in enumerate(args.protocols):
         rows, transport = run_protocol(protocol, gpus, args)
         if i == 0:
             print("NCCL transport (rank logs):\n  " + "\n  ".join(transport[:12]) + "\n")
-        table += [f"| {protocol} | {r['dtype']} | {r['mb']:g} | {r['ms']:.3f} | {r['algbw_gbs']:.1f} | "
-                  f"{r['busbw_gbs']:.1f} |" for r in rows]
-    print("\n".join(table))
+        new += [{**meta, "protocol": protocol, **r} for r in rows]
+    print(table(merge(args.out, new), meta["gpu"], gpus))
+
+
+def _key(r: dict) -> tuple:
+    return (r["gpu"], r["gpus"], r["protocol"], r["dtype"], r["mb"])
+
+
+def merge(path: Path, new: list[dict]) -> list[dict]:
+    """The rows of `path` with `new` in place of those with the same key; written back and returned."""
+    rows = json.loads(path.read_text()) if path.is_file() else []
+    keys = {_key(r) for r in new}
+    rows = [r for r in rows if _key(r) not in keys] + new
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def table(rows: list[dict], gpu: str, gpus: int) -> str:
+    """Markdown: this machine's rows (GPU name and count), by protocol, dtype and size."""
+    lines = ["| NCCL_PROTO | dtype | MB | ms | algbw GB/s | busbw GB/s |", "|---|---|---|---|---|---|"]
+    mine = [r for r in rows if (r["gpu"], r["gpus"]) == (gpu, gpus)]
+    order = {p: i for i, p in enumerate(PROTOCOLS)}
+    for r in sorted(mine, key=lambda r: (order.get(r["protocol"], 9), r["dtype"], r["mb"])):
+        lines.append(f"| {r['protocol']} | {r['dtype']} | {r['mb']:g} | {r['ms']:.3f} | {r['algbw_gbs']:.1f} | "
+                     f"{r['busbw_gbs']:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

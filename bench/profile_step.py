@@ -3,7 +3,8 @@
 Profiles the benchmark's bare step (bench/e2e.py `bare_step`: the same model, loss, AdamW and clipping as
 the pipeline, without Lightning) under `torch.profiler` after a few warm-up steps, and sums every CUDA
 kernel's time into the categories below by its name. The sum is GPU busy time, not wall time: the table
-prints the wall time of the profiled steps beside it.
+prints the wall time of the profiled steps beside it, and the gaps in the GPU's timeline (no kernel, copy or
+memset running), where the GPU waits for the host.
 
     python bench/profile_step.py --model gpt3-1.3b --seq-len 2048 --attention flash
     python bench/profile_step.py --seq-len 8192 --compile --set fp32_residual=true
@@ -128,8 +129,19 @@ def communication_overlap(kernels: list[dict], steps: int) -> dict:
             "nccl_ctas": max((math.prod(k.get("args", {}).get("grid", [0])) for k in comm), default=0)}
 
 
+def gpu_timeline(events: list[dict], steps: int) -> dict:
+    """From chrome-trace GPU events (kernels, memcpys, memsets): ms per step from the first one's start to the
+    last one's end (span), and how much of the span no GPU work runs (idle: the gaps the host leaves)."""
+    busy = _merged((e["ts"], e["ts"] + e["dur"]) for e in events)
+    if not busy:
+        return {"span_ms": 0.0, "idle_ms": 0.0}
+    span = busy[-1][1] - busy[0][0]
+    return {"span_ms": span / 1e3 / steps, "idle_ms": (span - sum(end - start for start, end in busy)) / 1e3 / steps}
+
+
 def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, list[dict]]:
-    """(kernel ms per step by name, wall ms per profiled step, the kernels' chrome-trace events)."""
+    """(kernel ms per step by name, wall ms per profiled step, the GPU's chrome-trace events: kernels, memcpys
+    and memsets)."""
     from torch.profiler import ProfilerActivity
 
     for _ in range(warmup):
@@ -144,7 +156,8 @@ def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, lis
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
-    return kernel_times(prof, steps), wall_ms, [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    return kernel_times(prof, steps), wall_ms, gpu
 
 
 def ddp_wrap(reduce_dtype: str, sm_carveout: int, hook: str):
@@ -199,6 +212,10 @@ def table(row: dict, top: int) -> str:
     total = row["categories"]["all kernels"]
     for cat, ms in row["categories"].items():
         lines.append(f"| {cat} | {ms:.1f} | {100 * ms / total:.1f}% |")
+    if "timeline" in row:
+        t = row["timeline"]
+        lines += ["", f"The GPU's timeline: {t['span_ms']:.1f} ms per step from the first kernel to the last, "
+                      f"{t['idle_ms']:.1f} ms of it with nothing running (the gaps the host leaves)."]
     if "overlap" in row:
         o = row["overlap"]
         lines += ["", f"NCCL kernels run {o['nccl_ms']:.1f} ms per step on up to {o['nccl_ctas']} CTAs; "
@@ -262,7 +279,9 @@ def main(argv: list[str] | None = None) -> None:
         "sm_carveout": args.sm_carveout,
         **({"world_size": world, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
             "nccl_protocol": os.environ.get("NCCL_PROTO"),
-            "overlap": communication_overlap(events, args.steps)} if world > 1 else {}),
+            "overlap": communication_overlap([e for e in events if e["cat"] == "kernel"], args.steps)}
+           if world > 1 else {}),
+        "timeline": gpu_timeline(events, args.steps),
         "wall_ms_per_step": wall_ms, "categories": summarize(kernels),
         "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:KEEP_KERNELS]),
     }

@@ -45,3 +45,17 @@ def test_a_failed_world_and_a_single_gpu_are_named(monkeypatch):
     monkeypatch.setattr(allreduce.torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit, match="needs 2 or more GPUs"):
         allreduce.main([])
+
+
+def test_rows_merge_by_machine_protocol_dtype_and_size(tmp_path):
+    out = tmp_path / "allreduce.json"
+    base = {"gpu": "GPU X", "gpus": 2, "torch": "t", "nccl": "n", "date": "d", "dtype": "fp32", "algbw_gbs": 1.0,
+            "busbw_gbs": 1.0}
+    allreduce.merge(out, [{**base, "protocol": "auto", "mb": 25.0, "ms": 0.2},
+                          {**base, "protocol": "Simple", "mb": 25.0, "ms": 0.1}])
+    rows = allreduce.merge(out, [{**base, "protocol": "auto", "mb": 25.0, "ms": 0.3},
+                                 {**base, "gpu": "GPU Y", "protocol": "auto", "mb": 25.0, "ms": 0.4}])
+    assert sorted((r["gpu"], r["protocol"], r["ms"]) for r in rows) == [
+        ("GPU X", "Simple", 0.1), ("GPU X", "auto", 0.3), ("GPU Y", "auto", 0.4)]
+    md = allreduce.table(rows, "GPU X", 2).splitlines()
+    assert md[2].startswith("| auto | fp32 | 25 | 0.300 |") and md[3].startswith("| Simple |") and len(md) == 4

@@ -76,3 +76,17 @@ def test_communication_overlap_counts_nccl_time_and_the_part_no_kernel_hides():
     assert o["exposed_ms"] == pytest.approx(8e-3 / 2)  # 0-2, 8-10 and 20-24 µs
     assert o["nccl_ctas"] == 16
     assert profile_step.communication_overlap(kernels[2:4], steps=1) == {"nccl_ms": 0, "exposed_ms": 0, "nccl_ctas": 0}
+
+
+def test_gpu_timeline_spans_first_to_last_event_and_counts_the_gaps():
+    """Two steps: kernels over 0-4 and 3-6 µs, a memset over 8-9, a kernel over 12-20: a span of 20 µs with the
+    GPU idle over 6-8 and 9-12."""
+    events = [{"ts": 0.0, "dur": 4.0}, {"ts": 3.0, "dur": 3.0}, {"ts": 8.0, "dur": 1.0}, {"ts": 12.0, "dur": 8.0}]
+    t = profile_step.gpu_timeline(events, steps=2)
+    assert t["span_ms"] == pytest.approx(20e-3 / 2) and t["idle_ms"] == pytest.approx(5e-3 / 2)
+    assert profile_step.gpu_timeline([], steps=1) == {"span_ms": 0.0, "idle_ms": 0.0}
+    row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash",
+           "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0}),
+           "kernels": {"nvjet_a": 6.0}, "timeline": {"span_ms": 9.5, "idle_ms": 3.5}}
+    assert "9.5 ms per step from the first kernel to the last, 3.5 ms of it with nothing running" in \
+        profile_step.table(row, top=1)
