@@ -26,6 +26,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.common import merge_file  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 PROTOCOLS = ("auto", "LL", "LL128", "Simple")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     gpus = args.gpus or torch.cuda.device_count()
     if gpus < 2:
         raise SystemExit(f"bench/allreduce.py needs 2 or more GPUs; this machine has {torch.cuda.device_count()}")
-    meta = {"gpu": torch.cuda.get_device_name(), "gpus": gpus, "torch": torch.__version__,
+    from bench.launchers import gpu_info  # the GPU's name from nvidia-smi: this process holds no GPU memory
+
+    meta = {"gpu": gpu_info()["gpu"], "gpus": gpus, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": date.today().isoformat()}
     print(f"{gpus} × {meta['gpu']}, torch {meta['torch']}, NCCL {meta['nccl']}\n")
     new = []
@@ -116,12 +123,7 @@ def _key(r: dict) -> tuple:
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
     """The rows of `path` with `new` in place of those with the same key; written back and returned."""
-    rows = json.loads(path.read_text()) if path.is_file() else []
-    keys = {_key(r) for r in new}
-    rows = [r for r in rows if _key(r) not in keys] + new
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=1) + "\n")
-    return rows
+    return merge_file(path, new, _key)
 
 
 def table(rows: list[dict], gpu: str, gpus: int) -> str:

@@ -1,15 +1,49 @@
-"""What the benchmark scripts share: file names per device, and figures only where matplotlib is installed."""
+"""What the benchmark scripts share: file names per device, results merged by key, the rates a training run
+logged, figures only where matplotlib is installed, and a step's wall time."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import time
+from pathlib import Path
+from typing import Callable
 
 
 def device_slug(device: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (for results file names)."""
     return re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+
+
+def merge_rows(old: list[dict], new: list[dict], key: Callable[[dict], tuple],
+               order: Callable[[dict], tuple] | None = None) -> list[dict]:
+    """old's rows with new's in place of those with the same key(row); sorted by order(row) when given."""
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in new})
+    rows = list(merged.values())
+    return sorted(rows, key=order) if order else rows
+
+
+def merge_file(path: Path, new: list[dict], key: Callable[[dict], tuple],
+               order: Callable[[dict], tuple] | None = None) -> list[dict]:
+    """merge_rows on the JSON list at `path` (none yet: an empty one), written back; returns the rows."""
+    rows = merge_rows(json.loads(path.read_text()) if path.is_file() else [], new, key, order)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def rates(metrics: dict) -> dict:
+    """The throughput a training run logged (model/perf.py's perf/* keys), under the benchmarks' names."""
+    return {
+        "tokens_per_s": metrics["perf/tokens_per_s"],
+        "tokens_per_s_total": metrics.get("perf/tokens_per_s_total", metrics["perf/tokens_per_s"]),
+        "tflops_per_gpu": metrics["perf/tflops_per_gpu"],
+        "mfu": metrics.get("perf/mfu"),
+        "peak_mem_gib": metrics.get("perf/peak_mem_gib"),
+        "step_time_s": metrics.get("perf/step_time_s"),
+    }
 
 
 def can_plot(script: str) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from datetime import date
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import merge_file  # noqa: E402
 from model.cross_entropy import cross_entropy  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "cross_entropy.json"
@@ -86,13 +86,7 @@ def _key(r: dict) -> tuple:
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
-    old = json.loads(path.read_text()) if path.is_file() else []
-    merged = {_key(r): r for r in old}
-    merged.update({_key(r): r for r in new})
-    rows = sorted(merged.values(), key=lambda r: (r["device"], r["n"], r["vocab"], r["dtype"], r["method"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=1) + "\n")
-    return rows
+    return merge_file(path, new, _key, order=lambda r: (r["device"], r["n"], r["vocab"], r["dtype"], r["method"]))
 
 
 def table(rows: list[dict]) -> str:

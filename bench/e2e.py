@@ -43,7 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import can_plot, device_slug, seconds_per_call  # noqa: E402
+from bench.common import can_plot, device_slug, merge_file, rates, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig, packs_qkv  # noqa: E402
@@ -90,17 +90,6 @@ def _model_config(model: str, attention: str, seq_len: int = 1024) -> dict:
     return dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}"]).model)
 
 
-def _rates(metrics: dict) -> dict:
-    return {
-        "tokens_per_s": metrics["perf/tokens_per_s"],
-        "tokens_per_s_total": metrics.get("perf/tokens_per_s_total", metrics["perf/tokens_per_s"]),
-        "tflops_per_gpu": metrics["perf/tflops_per_gpu"],
-        "mfu": metrics.get("perf/mfu"),
-        "peak_mem_gib": metrics.get("perf/peak_mem_gib"),
-        "step_time_s": metrics.get("perf/step_time_s"),
-    }
-
-
 def _check_steps(warmup: int, steps: int) -> None:
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup (the perf callback logs every --warmup steps)")
@@ -114,7 +103,7 @@ def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: 
                                 document_mask=document_mask),
                     f"output_dir={RESULTS / 'runs'}"])
     cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
-    return _rates(train(cfg))
+    return rates(train(cfg))
 
 
 def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> dict:
@@ -141,7 +130,7 @@ def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, com
     overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy,
                              loss=loss, document_mask=document_mask),
                  f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
-    return _rates(launch_train(overrides, run_dir))
+    return rates(launch_train(overrides, run_dir))
 
 
 def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
@@ -259,13 +248,8 @@ def _key(r: dict) -> tuple:
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
-    old = json.loads(path.read_text()) if path.is_file() else []
-    merged = {_key(r): r for r in old}
-    merged.update({_key(r): r for r in new})
-    rows = sorted(merged.values(), key=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], _attention(r), r["compile"], _gpus(r), r["mode"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=1))
-    return rows
+    return merge_file(path, new, _key, order=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"],
+                                                        _attention(r), r["compile"], _gpus(r), r["mode"]))
 
 
 def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str:

@@ -52,7 +52,7 @@ if str(REPO) not in sys.path:
 
 from bench import doc_lengths  # noqa: E402
 from bench import kernel as dense  # noqa: E402
-from bench.common import can_plot, device_slug, save_figure  # noqa: E402
+from bench.common import can_plot, device_slug, merge_rows, save_figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kernel_varlen.json"
 DOC_CASES = list(doc_lengths.DISTRIBUTIONS)
@@ -325,9 +325,7 @@ def _order(row: dict) -> tuple:
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
     """new replaces old entries with the same result_key; the rest is kept."""
-    merged = {result_key(r): r for r in old}
-    merged.update({result_key(r): r for r in new})
-    return sorted(merged.values(), key=_order)
+    return merge_rows(old, new, result_key, _order)
 
 
 # ------------------------------------------------------------------------------------------ table + plot

@@ -39,6 +39,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.common import merge_file, rates  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 DEFAULT_CASES = ["gpt3-350m:2048:8", "gpt3-1.3b:8192:2"]
 DEFAULT_LAUNCHES = ["1gpu", "python", "torchrun", "fsdp"]
@@ -125,17 +130,8 @@ def read_run(out: Path) -> dict:
     summary = json.loads((out / "metrics.json").read_text())
     ranks = sorted(out.glob("ranks/*.json"), key=lambda p: int(p.stem))
     devices = [json.loads(p.read_text())["device"] for p in ranks] or ["cuda:0"]
-    return {
-        "world_size": int(summary["world_size"]),
-        "global_step": int(summary["global_step"]),
-        "devices": devices,
-        "tokens_per_s": perf["perf/tokens_per_s"],
-        "tokens_per_s_total": perf.get("perf/tokens_per_s_total", perf["perf/tokens_per_s"]),
-        "tflops_per_gpu": perf["perf/tflops_per_gpu"],
-        "mfu": perf.get("perf/mfu"),
-        "step_time_s": perf.get("perf/step_time_s"),
-        "peak_mem_gib": perf.get("perf/peak_mem_gib"),
-    }
+    return {"world_size": int(summary["world_size"]), "global_step": int(summary["global_step"]), "devices": devices,
+            **rates(perf)}
 
 
 def run_launch(launch: str, gpus: int, visible: int, overrides: list[str], out: Path, timeout: float) -> dict:
@@ -203,14 +199,9 @@ def _case(r: dict) -> tuple:
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
     """The rows of `path` with `new` replacing those of the same GPU, case, attention and launch."""
-    old = json.loads(path.read_text()) if path.is_file() else []
-    merged = {(*_case(r), r["launch"]): r for r in old}
-    merged.update({(*_case(r), r["launch"]): r for r in new})
     order = {name: i for i, name in enumerate(LAUNCHES)}
-    rows = sorted(merged.values(), key=lambda r: (_case(r), order.get(r["launch"], len(order)), r["launch"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=1))
-    return rows
+    return merge_file(path, new, key=lambda r: (*_case(r), r["launch"]),
+                      order=lambda r: (_case(r), order.get(r["launch"], len(order)), r["launch"]))
 
 
 def _fmt(value, digits: int = 0, scale: float = 1.0) -> str:
