@@ -524,17 +524,20 @@ def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
     Reading them waits for the device, so this runs once per tensor and contents: a tensor that passed is marked
     with its version counter (which every in-place write bumps) and its totals, and a later call on it with the same
     ones skips the check. The model's layers share one cu_seqlens per batch, so a step checks it once, not per layer.
+    An inference tensor (made under torch.inference_mode, as Lightning's validation makes its batches) has no
+    version counter: it is checked on every call.
     """
-    pending = [(name, cu, total, max_len)
+    pending = [(name, cu, total, max_len, _checked_key(cu, total, max_len))
                for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
-                                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k))
-               if getattr(cu, _CHECKED_ATTR, None) != (cu._version, total, max_len)]
+                                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k))]
+    pending = [p for p in pending if p[4] is None or getattr(p[1], _CHECKED_ATTR, None) != p[4]]
     if not pending:
         return
     # One small reduction per tensor and one device-to-host copy: first, last, min and max of the lengths.
-    stats = torch.stack([torch.stack([cu[0], cu[-1], (cu[1:] - cu[:-1]).min(), (cu[1:] - cu[:-1]).max()])
-                         for _, cu, _, _ in pending]).tolist()
-    for (name, cu, total, max_len), (first, last, shortest, longest) in zip(pending, stats):
+    lengths = [cu.diff() for _, cu, _, _, _ in pending]
+    stats = torch.stack([torch.stack([cu[0], cu[-1], n.min(), n.max()])
+                         for (_, cu, _, _, _), n in zip(pending, lengths)]).tolist()
+    for (name, cu, total, max_len, key), (first, last, shortest, longest) in zip(pending, stats):
         which = name[-1]  # "q" or "k"
         if first != 0:
             _fail(f"{name}[0] is {first}; it must be 0 (the first sequence starts at row 0)")
@@ -547,7 +550,13 @@ def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
         if longest > max_len:
             _fail(f"a sequence of {name} has {longest} rows, more than max_seqlen_{which} = {max_len}; pass the "
                   f"longest sequence's length (or more)")
-        setattr(cu, _CHECKED_ATTR, (cu._version, total, max_len))
+        if key is not None:
+            setattr(cu, _CHECKED_ATTR, key)
+
+
+def _checked_key(cu: torch.Tensor, total: int, max_len: int) -> tuple[int, int, int] | None:
+    """What check_values_of_cu_seqlens marks a valid cu_seqlens with; None for an inference tensor (no version)."""
+    return None if cu.is_inference() else (cu._version, total, max_len)
 
 
 def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:

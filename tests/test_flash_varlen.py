@@ -94,6 +94,24 @@ def test_cu_seqlens_values_are_read_once_per_version(monkeypatch):
         interface.check_values_of_cu_seqlens(_cu([3, 0]), cu_k, 3, k.shape[0], 3, max_k - 1)
 
 
+def test_inference_tensors_are_checked_on_every_call(monkeypatch):
+    """Lightning validates under torch.inference_mode, whose tensors have no version counter to cache on."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _packed(dtype=torch.bfloat16)
+    with torch.inference_mode():
+        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+    reads = []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **kw: reads.append(1) or stack(*a, **kw))
+    interface.check_values_of_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    first = len(reads)
+    interface.check_values_of_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    assert first > 0 and len(reads) == 2 * first
+    with torch.inference_mode():
+        bad = torch.tensor([1, q.shape[0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[0\\] is 1"):
+        interface.check_values_of_cu_seqlens(bad, cu_k[[0, -1]], q.shape[0], k.shape[0], max_q, k.shape[0])
+
+
 @pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1.5, 0), (True, 0), (3,), "ab", None])
 def test_bad_window_is_named(window):
     with pytest.raises(ValueError, match="window_size"):
