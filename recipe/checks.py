@@ -87,7 +87,9 @@ def validate_trainer(trainer: DictConfig, launcher: Launcher) -> None:
             f"has {visible}; use trainer.devices={visible} (or auto), and trainer.num_nodes for more nodes"
         )
     if on_gpu:
-        _check_nccl(strategy)
+        ranks = launcher.world_size if launcher.external else (
+            (count if count is not None else visible) * int(trainer.get("num_nodes", 1)))
+        _check_nccl(strategy, ranks)
 
 
 def _check_launch_world(trainer: DictConfig, launcher: Launcher, count: int | None, visible: int | None) -> None:
@@ -118,10 +120,13 @@ def _check_launch_world(trainer: DictConfig, launcher: Launcher, count: int | No
         )
 
 
-def _check_nccl(strategy: Any) -> None:
+def _check_nccl(strategy: Any, ranks: int) -> None:
+    """A strategy that starts a process group on GPUs needs NCCL: DDP and FSDP by name, and
+    model.distributed.data_parallel (conf/trainer/strategy/) when the run has several ranks."""
     target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy)
     backend = strategy.get("process_group_backend") if isinstance(strategy, DictConfig) else None
-    distributed = any(name in target.lower() for name in ("ddp", "fsdp"))
+    distributed = any(name in target.lower() for name in ("ddp", "fsdp")) or (
+        target.endswith(".data_parallel") and ranks > 1)
     if distributed and backend in (None, "nccl") and not torch.distributed.is_nccl_available():
         raise ConfigError(
             f"trainer.strategy ({target}) on GPUs needs NCCL, which this torch build ({torch.__version__}) lacks; "

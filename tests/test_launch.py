@@ -91,7 +91,9 @@ def _fake_gpus(monkeypatch, count, nccl=True):
      ({}, 8, ("trainer.strategy=ddpp",), "'ddpp' is not a strategy name.*ddp_spawn"),
      ({}, 0, ("trainer=ddp",), "no CUDA GPU is visible"),
      ({}, 2, ("trainer=fsdp", "trainer.devices=[0,1,2]"), "asks for 3 GPUs"),
-     ({}, 2, ("trainer=fsdp", "+nccl=false"), "needs NCCL")],
+     ({}, 2, ("trainer=fsdp", "+nccl=false"), "needs NCCL"),
+     ({}, 2, ("trainer=ddp", "+nccl=false"), r"model.distributed.data_parallel\) on GPUs needs NCCL"),
+     ({}, 2, ("+nccl=false",), "needs NCCL")],
 )
 def test_a_launch_that_cannot_work_is_refused_by_name(launch_env, monkeypatch, env, gpus, overrides, match):
     launch_env(env)
@@ -108,6 +110,14 @@ def test_the_default_trainer_passes_under_every_launcher(launch_env, monkeypatch
     _fake_gpus(monkeypatch, gpus)
     for trainer in ("default", "ddp", "fsdp"):
         validate_trainer(_compose(f"trainer={trainer}").trainer, detect_launcher())
+
+
+def test_one_gpu_needs_no_nccl(launch_env, monkeypatch):
+    """The default strategy is DDP only on several ranks: one GPU starts no process group."""
+    launch_env({})
+    _fake_gpus(monkeypatch, 2, nccl=False)
+    for overrides in (("trainer.devices=1",), ("trainer=gpu",)):
+        validate_trainer(_compose("trainer.accelerator=gpu", *overrides).trainer, detect_launcher())
 
 
 @pytest.mark.parametrize(
