@@ -31,20 +31,30 @@ def _dtype(key: str, name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def requested_devices(devices: Any) -> int | list[int] | None:
+    """What `trainer.devices` asks for per node: a count, a list of device indices, or None for "auto" / -1."""
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if devices in ("auto", "-1"):
+            return None
+        if "," in devices:  # "0,1": device indices
+            return [int(d) for d in devices.split(",") if d.strip()]
+        devices = int(devices)
+    if isinstance(devices, int):
+        return None if devices == -1 else devices
+    return [int(d) for d in devices]  # a list of device indices
+
+
 def processes_per_node(accelerator: str, devices: Any) -> int:
     """The ranks Lightning starts on a node for trainer.accelerator / trainer.devices ("auto": every GPU when
     the accelerator is a GPU, else one CPU process)."""
+    wanted = requested_devices(devices)
+    if isinstance(wanted, list):
+        return len(wanted)
+    if wanted is not None:
+        return wanted
     gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    if isinstance(devices, str):
-        devices = devices.strip()
-        if "," in devices:  # "0,1": device indices
-            return len([d for d in devices.split(",") if d.strip()])
-        if devices == "auto":
-            return torch.cuda.device_count() if gpu else 1
-        devices = int(devices)
-    if isinstance(devices, int):
-        return (torch.cuda.device_count() if gpu else 1) if devices == -1 else devices
-    return len(devices)  # a list of device indices
+    return torch.cuda.device_count() if gpu else 1
 
 
 def set_sm_carveout(sms: int) -> None:

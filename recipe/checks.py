@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from model.attention import check_attention, check_window
+from model.distributed import requested_devices
 from model.loss import check_loss
 from recipe.launch import Launcher, detect_launcher, visible_gpus
 
@@ -41,20 +42,6 @@ def _accelerator(trainer: DictConfig) -> str:
     if name == "auto":
         return "gpu" if visible_gpus() else "cpu"
     return "gpu" if name == "cuda" else name
-
-
-def requested_devices(devices: Any) -> int | list[int] | None:
-    """What `trainer.devices` asks for per node: a count, a list of device indices, or None for "auto" / -1."""
-    if isinstance(devices, str):
-        devices = devices.strip()
-        if devices in ("auto", "-1"):
-            return None
-        if "," in devices:  # "0,1": device indices
-            return [int(d) for d in devices.split(",") if d.strip()]
-        devices = int(devices)
-    if isinstance(devices, int):
-        return None if devices == -1 else devices
-    return [int(d) for d in devices]  # a list of device indices
 
 
 def validate_trainer(trainer: DictConfig, launcher: Launcher) -> None:

@@ -149,9 +149,10 @@ def describe_launch(trainer, launcher: Launcher) -> str:
         line += f" = {nodes} nodes × {trainer.num_devices}"
     if device.type == "cuda":
         line += f" ({torch.cuda.get_device_name(device)})"
-    name = type(trainer.strategy).__name__
-    strategy = {"SingleDeviceStrategy": "one device", "DDPStrategy": "DDP", "AveragingDDPStrategy": "DDP",
-                "FSDPStrategy": "FSDP"}.get(name, name)
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    kinds = ((FSDPStrategy, "FSDP"), (DDPStrategy, "DDP"), (SingleDeviceStrategy, "one device"))  # subclasses too
+    strategy = next((label for cls, label in kinds if isinstance(trainer.strategy, cls)), type(trainer.strategy).__name__)
     line += f", {strategy}"
     if world > 1:
         line += f", ranks started by {launcher.name if launcher.external else 'Lightning'}"
