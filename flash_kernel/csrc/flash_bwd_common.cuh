@@ -52,7 +52,7 @@ struct RowKernelShape {
 };
 // A row kernel thread's place: thread `sub` of query row `q` of head bidh, batch (kVarlen: sequence) bidb. kVarlen:
 // the sequence has seqlen_q rows from packed row q_row0 (cu_seqlens_q); dense: params.seqlen_q rows, placed by the
-// batch stride (the dense kernels read them as they always did, so their code does not change).
+// batch stride (the dense instantiations compile without the varlen branches).
 template <bool kVarlen>
 struct RowThread {
     int sub, q, bidh, bidb;

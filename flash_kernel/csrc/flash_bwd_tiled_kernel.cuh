@@ -54,11 +54,11 @@ __device__ __forceinline__ QueryBlockOrder query_block_order(int m_min, int m_ma
 // S^T/dP^T over queries too, so P^T goes through shared memory and dV is computed after the barrier. dK (and dV
 // there) run after the barrier on their own (keys x columns) warp tile, reading dS^T (P^T) from shared memory.
 // kDqWarpsM < kBlockM / 16 gives dQ warps several m16 tiles.
-// kVarlenWindow (its own instantiation; the dense kernels are untouched): per-sequence lengths and rows from
-// cu_seqlens (grid.z runs over sequences; key blocks past a sequence's end do nothing) and the sliding window, causal
-// as window_right = 0 (seq_bounds, flash_params.h). A key block visits only the query blocks whose windows reach
-// it, [m_block_min, m_block_end), and masks the tiles that cross a window edge; keys that no query sees get
-// dK = dV = 0.
+// kVarlenWindow (its own instantiation; the dense ones compile without its branches): per-sequence lengths and
+// rows from cu_seqlens (grid.z runs over sequences; key blocks past a sequence's end do nothing) and the sliding
+// window, causal as window_right = 0 (seq_bounds, flash_params.h). A key block visits only the query blocks whose
+// windows reach it, [m_block_min, m_block_end), and masks the tiles that cross a window edge; keys that no query
+// sees get dK = dV = 0.
 template <typename Traits, bool kIsCausal, bool kVarlenWindow = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_bwd_tiled_kernel(const BwdParams params) {
     static_assert(!(kIsCausal && kVarlenWindow), "kVarlenWindow reads causal as window_right = 0");

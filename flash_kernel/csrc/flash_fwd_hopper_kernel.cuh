@@ -22,7 +22,7 @@
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
 //     the others finish this one. O is stored straight from the accumulators (sQ holds the next Q by then).
-//   - Varlen and sliding window (kVarlenOrLocal, its own instantiation: the dense kernels keep their code): tiles
+//   - Varlen and sliding window (kVarlenOrLocal, its own instantiation; the dense ones compile without it): tiles
 //     of (query block, head, sequence) whose rows and key blocks come from cu_seqlens and the window
 //     (hopper_seqlen.h, fwd_local_tile). TMA reads the packed tensors at rows offset by the sequence's start; rows
 //     of K past the sequence's end are the next sequence's keys and are masked like the window's bounds; only key

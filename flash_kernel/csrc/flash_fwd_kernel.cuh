@@ -20,7 +20,7 @@
 // only tiles that cross the diagonal or the sequence end pay for masking. A row with no visible key
 // (Tq > Tk, causal) gets O = 0 and LSE = +inf, which makes the backward's P = exp(S - LSE) = 0.
 //
-// kVarlenWindow (its own instantiation, so the dense kernels above are untouched): per-sequence lengths and row
+// kVarlenWindow (its own instantiation; the dense ones compile without its branches): per-sequence lengths and row
 // offsets from cu_seqlens (grid.z runs over sequences, grid.x over max_seqlen_q's blocks; a block past its
 // sequence's end exits without writing), and the sliding window read at run time, causal as window_right = 0
 // (seq_bounds, flash_params.h): query i sees key j iff i + off - left <= j <= i + off + right, off = Tk - Tq of
