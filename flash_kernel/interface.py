@@ -155,42 +155,64 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_dev
     check_device=False skips the CUDA-device check only, so the same checks run on CPU/meta tensors in tests.
     """
     named = (("q", q), ("k", k), ("v", v))
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_tensors(named, check_device)
     if check_device:
-        for name, t in named:
-            if t.device.type != "cuda":
-                _fail(f"{name} must be a CUDA tensor, got device '{t.device}'; move q, k, v to the GPU (.cuda())")
         for name, t in named[1:]:
             if t.device != q.device:
                 _fail(f"{name} is on {t.device} but q is on {q.device}; q, k, v must be on the same device")
-    for name, t in named:
-        if t.dtype not in SUPPORTED_DTYPES:
-            _fail(f"{name} has dtype {t.dtype}; expected torch.float16 or torch.bfloat16 (cast, or use autocast)")
-    for name, t in named[1:]:
-        if t.dtype != q.dtype:
-            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k, v must share one dtype")
-    for name, t in named:
-        if t.dim() != 4:
-            _fail(f"{name} must have 4 dims (B, T, H, D), got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        _fail(f"k and v must have the same shape (B, Tk, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    _check_dtypes(named)
+    _check_ranks(named, 4, "(B, T, H, D)", "(B, Tk, Hkv, D)")
     B, seqlen_q, Hq, D = q.shape
     if k.shape[0] != B:
         _fail(f"k has batch size {k.shape[0]} but q has {B}; expected k (B={B}, Tk, Hkv, D={D})")
     if k.shape[3] != D:
         _fail(f"k has head dim {k.shape[3]} but q has {D}; expected k (B={B}, Tk, Hkv, D={D})")
-    Hkv = k.shape[2]
-    if Hkv == 0 or Hq % Hkv != 0:
-        _fail(f"q has {Hq} heads, not a multiple of the {Hkv} heads of k and v (GQA needs Hq % Hkv == 0)")
-    if D % HEAD_DIM_MULTIPLE != 0 or D > MAX_HEAD_DIM or D == 0:
-        _fail(f"q has head dim {D}; expected a multiple of {HEAD_DIM_MULTIPLE} in [8, {MAX_HEAD_DIM}] (pad the head dim)")
+    _check_heads(Hq, k.shape[2], D)
     for name, t in named:
         if t.numel() == 0:
             _fail(f"{name} is empty, shape {tuple(t.shape)}; batch, sequence length and heads must be >= 1")
     for name, t in named:
         _check_strides(name, t)
+
+
+def _check_tensors(named, check_device: bool) -> None:
+    """Each (name, tensor) is a torch.Tensor, and on a CUDA device when check_device."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if check_device:
+        for name, t in named[:3]:
+            if t.device.type != "cuda":
+                _fail(f"{name} must be a CUDA tensor, got device '{t.device}'; move q, k, v to the GPU (.cuda())")
+
+
+def _check_dtypes(named) -> None:
+    """q, k, v (the first three of named) in fp16 or bf16, all in q's."""
+    for name, t in named:
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(f"{name} has dtype {t.dtype}; expected torch.float16 or torch.bfloat16 (cast, or use autocast)")
+    for name, t in named[1:]:
+        if t.dtype != named[0][1].dtype:
+            _fail(f"{name} has dtype {t.dtype} but q has {named[0][1].dtype}; q, k, v must share one dtype")
+
+
+def _check_ranks(named, rank: int, layout: str, kv_layout: str) -> None:
+    """q, k, v of `rank` dims in `layout` (for the message), k and v of one shape (kv_layout)."""
+    for name, t in named:
+        if t.dim() != rank:
+            _fail(f"{name} must have {rank} dims {layout}, got shape {tuple(t.shape)}")
+    (_, k), (_, v) = named[1], named[2]
+    if k.shape != v.shape:
+        _fail(f"k and v must have the same shape {kv_layout}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+
+
+def _check_heads(Hq: int, Hkv: int, D: int, need_q_heads: bool = False) -> None:
+    """Hq query heads over Hkv key/value heads (GQA), of a head dim the kernels have; need_q_heads refuses Hq = 0
+    here (the dense check refuses it as an empty q)."""
+    if (need_q_heads and Hq == 0) or Hkv == 0 or Hq % Hkv != 0:
+        _fail(f"q has {Hq} heads, not a multiple of the {Hkv} heads of k and v (GQA needs Hq % Hkv == 0)")
+    if D % HEAD_DIM_MULTIPLE != 0 or D > MAX_HEAD_DIM or D == 0:
+        _fail(f"q has head dim {D}; expected a multiple of {HEAD_DIM_MULTIPLE} in [8, {MAX_HEAD_DIM}] (pad the head dim)")
 
 
 def _check_strides(name: str, t: torch.Tensor) -> None:
@@ -222,6 +244,11 @@ def check_bwd_inputs(
     """check_inputs plus do/o like q, lse float32 (B, Hq, Tq) on q's device, and a head dim the backward has."""
     check_inputs(q, k, v, check_device=check_device)
     B, seqlen_q, Hq, _ = q.shape
+    _check_do_o_lse(do, o, lse, q, (B, Hq, seqlen_q), "(B, Hq, Tq)", check_device)
+
+
+def _check_do_o_lse(do, o, lse, q: torch.Tensor, lse_shape: tuple, lse_layout: str, check_device: bool) -> None:
+    """do and o like q (shape, dtype, device, strides); lse float32 of lse_shape, contiguous, on q's device."""
     for name, t in (("do", do), ("o", o)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -232,9 +259,9 @@ def check_bwd_inputs(
         if check_device and t.device != q.device:
             _fail(f"{name} is on {t.device} but q is on {q.device}")
         _check_strides(name, t)
-    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (B, Hq, seqlen_q):
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != lse_shape:
         got = f"{lse.dtype} {tuple(lse.shape)}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        _fail(f"lse must be float32 of shape (B, Hq, Tq) = {(B, Hq, seqlen_q)}, got {got}")
+        _fail(f"lse must be float32 of shape {lse_layout} = {lse_shape}, got {got}")
     if check_device and lse.device != q.device:
         _fail(f"lse is on {lse.device} but q is on {q.device}")
     if not lse.is_contiguous():
@@ -344,7 +371,6 @@ def _setup_context(ctx, inputs, output) -> None:
     o, lse = output
     ctx.save_for_backward(*tensors, o, lse)
     ctx.params = tuple(inputs[len(tensors):])
-    ctx.num_inputs = len(inputs)
 
 
 def _grads(bwd, ctx, do):
@@ -355,7 +381,7 @@ def _grads(bwd, ctx, do):
         do = do.contiguous()
     grads = bwd(do, *tensors, o, lse, *ctx.params)
     grads = grads if isinstance(grads, tuple) else (grads,)
-    return (*grads, *([None] * (ctx.num_inputs - len(grads))))
+    return (*grads, *([None] * (len(tensors) + len(ctx.params) - len(grads))))
 
 
 def _backward(ctx, do, dlse):
@@ -469,33 +495,17 @@ def check_varlen_inputs(
     length (batch + 1 >= 2) for q and k; max_seqlen ints >= 0. check_values_of_cu_seqlens does the rest.
     check_device=False skips the CUDA-device checks, so the same checks run on CPU/meta tensors in tests."""
     named = (("q", q), ("k", k), ("v", v))
-    for name, t in named + (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if check_device:
-        for name, t in named:
-            if t.device.type != "cuda":
-                _fail(f"{name} must be a CUDA tensor, got device '{t.device}'; move q, k, v to the GPU (.cuda())")
-    for name, t in named[1:] + (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    cus = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    _check_tensors(named + cus, check_device)
+    for name, t in named[1:] + cus:
         if t.device != q.device:
             _fail(f"{name} is on {t.device} but q is on {q.device}; q, k, v and cu_seqlens must be on one device")
-    for name, t in named:
-        if t.dtype not in SUPPORTED_DTYPES:
-            _fail(f"{name} has dtype {t.dtype}; expected torch.float16 or torch.bfloat16 (cast, or use autocast)")
-        if t.dtype != q.dtype:
-            _fail(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k, v must share one dtype")
-        if t.dim() != 3:
-            _fail(f"{name} must have 3 dims (total, H, D) in the varlen layout, got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        _fail(f"k and v must have the same shape (total_k, Hkv, D), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    _check_dtypes(named)
+    _check_ranks(named, 3, "(total, H, D) in the varlen layout", "(total_k, Hkv, D)")
     total_q, Hq, D = q.shape
     if k.shape[2] != D:
         _fail(f"k has head dim {k.shape[2]} but q has {D}; expected k (total_k, Hkv, D={D})")
-    Hkv = k.shape[1]
-    if Hq == 0 or Hkv == 0 or Hq % Hkv != 0:
-        _fail(f"q has {Hq} heads, not a multiple of the {Hkv} heads of k and v (GQA needs Hq % Hkv == 0)")
-    if D % HEAD_DIM_MULTIPLE != 0 or D > MAX_HEAD_DIM or D == 0:
-        _fail(f"q has head dim {D}; expected a multiple of {HEAD_DIM_MULTIPLE} in [8, {MAX_HEAD_DIM}] (pad the head dim)")
+    _check_heads(Hq, k.shape[1], D, need_q_heads=True)  # packed rows may be 0 (empty sequences), heads not
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32:
             _fail(f"{name} has dtype {cu.dtype}; expected torch.int32 (pass {name}.to(torch.int32))")
@@ -630,16 +640,8 @@ def _varlen_bwd(
 
 def _check_varlen_bwd_tensors(do, q, o, lse) -> None:
     """do and o like q; lse float32 (Hq, total_q), contiguous, on q's device."""
-    for name, t in (("do", do), ("o", o)):
-        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            _fail(f"{name} must be like q ({q.dtype} {tuple(q.shape)} on {q.device}), got {got}")
-        _check_strides(name, t)
     total_q, Hq, _ = q.shape
-    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (Hq, total_q)
-            or lse.device != q.device or not lse.is_contiguous()):
-        got = f"{lse.dtype} {tuple(lse.shape)}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        _fail(f"lse must be contiguous float32 of shape (Hq, total_q) = {(Hq, total_q)} on q's device, got {got}")
+    _check_do_o_lse(do, o, lse, q, (Hq, total_q), "(Hq, total_q)", check_device=True)
 
 
 def _varlen_bwd_impl(do, q, k, v, cu_seqlens_q, cu_seqlens_k, o, lse, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -692,10 +694,15 @@ class _EagerFlashAttention(torch.autograd.Function):
 def _run(op, fwd_impl, bwd_impl, args) -> torch.Tensor:
     """The op under torch.compile (traced through its fake impl and registered autograd) or a dispatch mode,
     else its implementations through _EagerFlashAttention."""
-    # Dispatch modes (FlopCounterMode, FakeTensorMode) see the ops, not the eager path's direct kernel calls.
-    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+    if _through_ops():
         return op(*args)[0]
     return _EagerFlashAttention.apply(fwd_impl, bwd_impl, *args)
+
+
+def _through_ops() -> bool:
+    """Whether a call goes through the custom ops: under torch.compile, and under dispatch modes (FlopCounterMode,
+    FakeTensorMode), which see the ops, not the eager path's direct kernel calls."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
 
 
 def _scale(softmax_scale, head_dim: int) -> float:
@@ -767,9 +774,9 @@ def flash_attn_varlen_func(
     tensor (check_values_of_cu_seqlens), which waits for the device that once.
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if not (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()):  # else the op's implementation checks
+    left, right = _check_window(window_size)  # before the value check, which waits for the device
+    if not _through_ops():  # else the op's implementation checks the values
         check_values_of_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    left, right = _check_window(window_size)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(softmax_scale, q.shape[-1]),
             bool(causal), left, right, bool(deterministic))
     return _run(_varlen_fwd, _varlen_fwd_impl, _varlen_bwd_impl, args)
