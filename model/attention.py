@@ -69,7 +69,6 @@ class AttentionMask:
 
     window: int | None = None  # keys left of each query that it sees, besides itself; None: all of them
     cu_seqlens: torch.Tensor | None = None  # flash: (n + 1,) int32, the documents of the packed B·T tokens
-    max_seqlen: int = 0  # flash: a bound on every document's length (the window length T)
     dense: torch.Tensor | None = None  # naive, sdpa: (B or 1, 1, Tq, Tk) bool, True where query i sees key j
     block_mask: Any = None  # flex: torch.nn.attention.flex_attention.BlockMask of the same rule
 
@@ -121,7 +120,7 @@ def _create_block_mask_compiled() -> Callable[..., Any]:
 
 
 @torch.compiler.disable  # built once per forward outside the model's graph; flex_attention inside reads it
-def _flex_block_mask(batch: int, t_q: int, t_k: int, window: int | None, doc: torch.Tensor | None, device):
+def _flex_block_mask(batch: int | None, t_q: int, t_k: int, window: int | None, doc: torch.Tensor | None, device):
     offset = t_k - t_q  # bottom-right alignment
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -150,14 +149,23 @@ def attention_mask(
     if cu_seqlens is not None and t_q != t_k:
         raise ValueError(f"document masks apply to whole windows (Tq == Tk), not {t_q} queries over {t_k} keys")
     if name == "flash":
-        return AttentionMask(window=window, cu_seqlens=cu_seqlens, max_seqlen=t_q)
+        return AttentionMask(window=window, cu_seqlens=cu_seqlens)
     if name == "flash_reference":
         raise ValueError("attention=flash_reference runs plain causal attention only: use naive, sdpa, flex or flash "
                          "for attention.window or data.document_mask")
     doc = document_ids(cu_seqlens, batch, t_q) if cu_seqlens is not None else None
     if name == "flex":
-        return AttentionMask(window=window, block_mask=_flex_block_mask(batch, t_q, t_k, window, doc, device))
+        block_mask = (_flex_block_mask(batch, t_q, t_k, window, doc, device) if doc is not None
+                      else _flex_causal_block_mask(t_q, t_k, window, torch.device(device)))
+        return AttentionMask(window=window, block_mask=block_mask)
     return AttentionMask(window=window, dense=_dense_mask(t_q, t_k, window, doc, device))
+
+
+@torch.compiler.disable  # outside the graph, as _flex_block_mask: dynamo would trace past the cache
+@functools.lru_cache(maxsize=16)
+def _flex_causal_block_mask(t_q: int, t_k: int, window: int | None, device: torch.device):
+    """flex's block mask without documents: the same every step for one shape, so built once per shape."""
+    return _flex_block_mask(None, t_q, t_k, window, None, device)
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -246,7 +254,7 @@ def flash_attention(q, k, v, causal: bool = True, softmax_scale: float | None = 
     # The batch's windows are one packed sequence of documents: (B·T, H, D) views, no copy.
     o = kernel.flash_attn_varlen_func(
         q.reshape(B * T, H, D), k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:]),
-        mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+        mask.cu_seqlens, mask.cu_seqlens, T, T,  # no document is longer than its window
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
     )  # (B·T, H, D)
     return o.view(B, T, H, D)
