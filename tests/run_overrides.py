@@ -1,4 +1,17 @@
-"""The overrides of a few-step CPU training run for the tests (imported by name: tests/ is on sys.path)."""
+"""The train config as the tests compose it, and the overrides of a few-step CPU training run (imported by name:
+tests/ is on sys.path)."""
+
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_train(*overrides):
+    """conf/train.yaml with these Hydra overrides, as train.py composes it."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
 
 
 def tiny_run_overrides(data_cache, out, *extra):

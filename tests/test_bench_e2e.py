@@ -62,6 +62,7 @@ def test_multi_gpu_rows_show_per_gpu_scaling_against_one_gpu(tmp_path):
     assert set(lines) == {"1", "2 ddp"}
     assert "| 0.970 |" in lines["2 ddp"]  # 194 / 200 tokens/s per GPU
     e2e.plot(rows, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").stat().st_size > 1000
 
 
 def test_rows_name_the_residual_stream_they_ran():
@@ -103,3 +104,4 @@ def test_document_mask_rows_are_their_own_case_beside_the_unmasked_ones(tmp_path
     assert "| flash | no |" in md and "| flash, document mask | no |" in md
     assert "data.document_mask=true" in e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 10, 5, document_mask=True)
     e2e.plot(rows, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").stat().st_size > 1000

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import train  # noqa: F401  (registers the resolvers)
+from run_overrides import compose_train
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("bench_launchers", REPO / "bench" / "launchers.py")
@@ -38,18 +38,17 @@ def test_every_launch_composes_a_config(tmp_path):
     """Each launch's overrides name keys that exist (a typo would fail the run on the GPU node, not here)."""
     overrides = [o for o in launchers.run_overrides("gpt3-350m", 2048, 8, "flash", 10, 30, tmp_path)
                  if not o.startswith("hydra.")]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for launch, (_, extra) in launchers.LAUNCHES.items():
-            cfg = compose(config_name="train", overrides=[*extra, *overrides])
-            assert cfg.trainer.max_steps == 40 and cfg.trainer.log_every_n_steps == 10 and cfg.callbacks.perf.window == 4
-            assert "checkpoint" not in cfg.callbacks and cfg.logger._target_.endswith("CSVLogger")
-            assert cfg.data.batch_size == 8 and cfg.seq_len == 2048 and cfg.output_dir == str(tmp_path)
-            for override in extra:
-                key, value = override.split("=")
-                if key == "trainer":
-                    assert cfg.trainer.strategy._target_ == "model.distributed.fsdp_strategy", launch
-                else:
-                    assert str(OmegaConf.select(cfg, key)).lower() == value.lower(), launch
+    for launch, (_, extra) in launchers.LAUNCHES.items():
+        cfg = compose_train(*extra, *overrides)
+        assert cfg.trainer.max_steps == 40 and cfg.trainer.log_every_n_steps == 10 and cfg.callbacks.perf.window == 4
+        assert "checkpoint" not in cfg.callbacks and cfg.logger._target_.endswith("CSVLogger")
+        assert cfg.data.batch_size == 8 and cfg.seq_len == 2048 and cfg.output_dir == str(tmp_path)
+        for override in extra:
+            key, value = override.split("=")
+            if key == "trainer":
+                assert cfg.trainer.strategy._target_ == "model.distributed.fsdp_strategy", launch
+            else:
+                assert str(OmegaConf.select(cfg, key)).lower() == value.lower(), launch
 
 
 def _write_run(out: Path, devices, tokens_per_s=1000.0):

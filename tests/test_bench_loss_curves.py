@@ -41,4 +41,5 @@ def test_document_mask_pair_on_cpu_writes_curves_and_plot(tmp_path):
     base, masked = (dict(entry["curves"][name]["val/loss"]) for name in ("base", "vs"))
     assert base.keys() == masked.keys() and entry["max_abs_val_diff"] > 1e-4  # same steps, other attention
     assert (tmp_path / "loss_curves_cpu.png").stat().st_size > 1000
-    assert not (tmp_path / "runs" / "loss_gpt-tiny_64_sdpa_vs_data.document_mask-true_vs" / "checkpoints").exists()
+    run = tmp_path / "runs" / "loss_gpt-tiny_64_sdpa_vs_data.document_mask-true_vs"
+    assert run.is_dir() and not (run / "checkpoints").exists()

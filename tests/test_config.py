@@ -4,19 +4,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 
 import train  # noqa: F401  (registers the resolvers conf/ uses)
 from model.gpt import GPT, GPTConfig
+from run_overrides import compose_train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
-
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def _options(group):
@@ -30,12 +26,12 @@ def test_every_option_composes(group):
     options = _options(group)
     assert options, f"conf/{group} is empty"
     for option in options:
-        cfg = _compose(f"{group}={option}")
+        cfg = compose_train(f"{group}={option}")
         assert cfg.seq_len > 0 and cfg.attention.name in ("naive", "sdpa", "flex", "flash")
 
 
 def test_everyday_launch_keys():
-    cfg = _compose("attention=flash", "seq_len=8192")
+    cfg = compose_train("attention=flash", "seq_len=8192")
     assert cfg.attention.name == "flash"
     # one knob sets the model context and the data windows, one the attention everywhere
     assert cfg.seq_len == cfg.data.seq_len == cfg.model.seq_len == 8192
@@ -49,7 +45,7 @@ def test_everyday_launch_keys():
      ("gpt3-1.3b", 128, 1.31), ("gpt3-2.7b", 80, 2.65)],
 )
 def test_gpt3_presets(preset, head_dim, billions):
-    cfg = _compose(f"model={preset}")
+    cfg = compose_train(f"model={preset}")
     with torch.device("meta"):
         gpt = GPT(GPTConfig(**{**cfg.model, "seq_len": 2048}, vocab_size=50257))
     assert gpt.cfg.head_dim == head_dim
@@ -62,16 +58,16 @@ def test_gpt3_presets(preset, head_dim, billions):
      ("fa2_gpt3_2.7b_2k", "gpt3-2.7b", 2048, 8), ("fa2_gpt3_2.7b_8k", "gpt3-2.7b", 8192, 2)],
 )
 def test_fa2_experiments(name, model, seq_len, batch):
-    cfg = _compose(f"experiment={name}")
+    cfg = compose_train(f"experiment={name}")
     assert cfg.seq_len == seq_len and cfg.data.batch_size == batch
     assert seq_len * batch == 16384  # the FA2 paper's tokens per GPU step
     assert cfg.trainer.precision == "bf16-mixed"
-    preset = {**_compose(f"model={model}").model, "seq_len": seq_len}
+    preset = {**compose_train(f"model={model}").model, "seq_len": seq_len}
     assert cfg.model == preset and cfg.model.seq_len == seq_len
 
 
 def test_command_line_trainer_beats_experiment_default():
-    cfg = _compose("experiment=fa2_gpt3_1.3b_8k", "trainer=ddp", "trainer.devices=8")
+    cfg = compose_train("experiment=fa2_gpt3_1.3b_8k", "trainer=ddp", "trainer.devices=8")
     assert cfg.trainer.devices == 8
     assert cfg.trainer.strategy._target_ == "model.distributed.data_parallel"  # DDP on several GPUs
 
@@ -79,17 +75,17 @@ def test_command_line_trainer_beats_experiment_default():
 def test_strategies_instantiate_on_cpu():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    assert isinstance(instantiate(_compose("trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2").trainer.strategy),
+    assert isinstance(instantiate(compose_train("trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2").trainer.strategy),
                       DDPStrategy)
-    fsdp = instantiate(_compose("trainer=fsdp", "trainer.strategy.activation_checkpointing=true").trainer.strategy)
+    fsdp = instantiate(compose_train("trainer=fsdp", "trainer.strategy.activation_checkpointing=true").trainer.strategy)
     assert isinstance(fsdp, FSDPStrategy)
 
 
 def test_cpu_trainer_instantiates():
-    trainer = instantiate(_compose("trainer=cpu", "output_dir=/tmp/x").trainer, logger=False, callbacks=[])
+    trainer = instantiate(compose_train("trainer=cpu", "output_dir=/tmp/x").trainer, logger=False, callbacks=[])
     assert trainer.max_steps > 0 and trainer.precision == "32-true"
 
 
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(MissingConfigException, match="Available options"):
-        _compose("attention=flashy")
+        compose_train("attention=flashy")

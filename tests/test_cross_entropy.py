@@ -224,16 +224,14 @@ def test_bad_input_is_refused_naming_the_tensor(logits, targets, kwargs, match):
 
 
 def test_loss_key_reaches_the_module_and_is_checked():
-    from hydra import compose, initialize_config_dir
-
     import train  # noqa: F401  (registers the resolvers conf/ uses)
     from model.lit_gpt import LitGPT
     from recipe.checks import ConfigError, validate
     from recipe.schema import check_types
+    from run_overrides import compose_train
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        default = compose(config_name="train", overrides=["trainer=cpu", "logger=none"])
-        bad = compose(config_name="train", overrides=["trainer=cpu", "logger=none", "loss=fast"])
+    default = compose_train("trainer=cpu", "logger=none")
+    bad = compose_train("trainer=cpu", "logger=none", "loss=fast")
     assert default.loss == "torch"
     check_types(default)
     with pytest.raises(ConfigError, match="loss='fast' is not one of torch, fused"):

@@ -1,11 +1,8 @@
 """The multi-GPU strategies' settings (model/distributed.py, conf/trainer/strategy/) and the sharded gradient
 clipping, on the CPU: the strategies are built, not launched (tests/test_launch.py launches them)."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
@@ -14,14 +11,8 @@ import train  # noqa: F401  (registers the resolvers)
 from model.allreduce import average_hook
 from model.distributed import clip_sharded_grad_norm_, data_parallel, fsdp_strategy, processes_per_node
 from model.gpt import LayerNorm, RMSNorm
+from run_overrides import compose_train
 from two_ranks import spawn_two_ranks
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 @pytest.fixture
@@ -45,21 +36,21 @@ def test_processes_per_node_follow_lightnings_reading_of_devices(gpus, accelerat
 
 def test_default_trainer_is_ddp_on_several_ranks_and_no_wrapper_on_one(gpus):
     gpus(2)
-    strategy = instantiate(_compose().trainer.strategy)  # the plain launch on a node of 2 GPUs
+    strategy = instantiate(compose_train().trainer.strategy)  # the plain launch on a node of 2 GPUs
     assert isinstance(strategy, DDPStrategy)
     assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "broadcast_buffers": False, "bucket_cap_mb": 25}
     assert strategy._ddp_comm_hook is average_hook and strategy._ddp_comm_state.dtype == torch.float32
     assert strategy.sm_carveout == 0
-    assert instantiate(_compose("trainer.devices=1").trainer.strategy) == "auto"
-    assert instantiate(_compose("trainer=gpu").trainer.strategy) == "auto"
-    assert instantiate(_compose("trainer.devices=1", "trainer.num_nodes=2").trainer.strategy)._ddp_kwargs
+    assert instantiate(compose_train("trainer.devices=1").trainer.strategy) == "auto"
+    assert instantiate(compose_train("trainer=gpu").trainer.strategy) == "auto"
+    assert instantiate(compose_train("trainer.devices=1", "trainer.num_nodes=2").trainer.strategy)._ddp_kwargs
     gpus(0)
-    assert instantiate(_compose().trainer.strategy) == "auto"  # a CPU machine: one process
+    assert instantiate(compose_train().trainer.strategy) == "auto"  # a CPU machine: one process
 
 
 def test_ddp_reduces_in_bf16_only_when_asked(gpus):
     gpus(2)
-    strategy = instantiate(_compose("trainer=ddp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
+    strategy = instantiate(compose_train("trainer=ddp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
     assert strategy._ddp_comm_hook is average_hook and strategy._ddp_comm_state.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="trainer.strategy.reduce_dtype='fp16'"):
         data_parallel(devices=2, reduce_dtype="fp16")
@@ -74,7 +65,7 @@ def carveout_state():
 
 def test_sm_carveout_sets_the_matmul_carveout_only_when_asked(gpus, carveout_state):
     gpus(0)  # the CPU build has no cuBLASLt to prefer: the carve-out is what this checks
-    assert instantiate(_compose("trainer=ddp", "trainer.devices=2").trainer.strategy).sm_carveout == 0
+    assert instantiate(compose_train("trainer=ddp", "trainer.devices=2").trainer.strategy).sm_carveout == 0
     assert torch._C._get_sm_carveout_experimental() is None
     strategy = data_parallel(accelerator="cpu", devices=2, sm_carveout=8)
     assert strategy.sm_carveout == 8 and "sm_carveout" not in strategy._ddp_kwargs
@@ -87,14 +78,14 @@ def test_sm_carveout_sets_the_matmul_carveout_only_when_asked(gpus, carveout_sta
 def test_fsdp_gathers_bf16_weights_and_reduces_fp32_gradients():
     from torch.distributed.fsdp import BackwardPrefetch
 
-    strategy = instantiate(_compose("trainer=fsdp").trainer.strategy)
+    strategy = instantiate(compose_train("trainer=fsdp").trainer.strategy)
     assert isinstance(strategy, FSDPStrategy)
     mp = strategy.mixed_precision_config
     assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.bfloat16, torch.float32, None)
     assert strategy.kwargs["limit_all_gathers"] is False and strategy.kwargs["forward_prefetch"] is True
     assert strategy.kwargs["backward_prefetch"] is BackwardPrefetch.BACKWARD_PRE
     assert strategy.kwargs["use_orig_params"] is True and strategy._state_dict_type == "sharded"
-    bf16 = instantiate(_compose("trainer=fsdp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
+    bf16 = instantiate(compose_train("trainer=fsdp", "trainer.strategy.reduce_dtype=bf16").trainer.strategy)
     assert bf16.mixed_precision_config.reduce_dtype == torch.bfloat16
     # another precision keeps Lightning's own setting for it (the precision plugin's)
     assert fsdp_strategy(precision="32-true").mixed_precision is None

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch.nn.attention.flex_attention import create_mask
 
 import train as train_mod
@@ -25,7 +24,7 @@ from model.gpt import GPT, GPTConfig, KVCache, ModelConfigError
 from model.loss import next_token_loss
 from recipe.checks import ConfigError
 from recipe.schema import ConfigTypeError
-from run_overrides import tiny_run_overrides
+from run_overrides import compose_train, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 EOT = 0
@@ -194,10 +193,9 @@ def test_window_reaches_the_model_and_decoding_keeps_it():
 def test_bad_window_and_combinations_are_named():
     with pytest.raises(ModelConfigError, match="attention.window=-1"):
         _gpt("sdpa", window=-1)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=cpu_tiny", "attention.window=-2"])
-        bad_type = compose(config_name="train", overrides=["experiment=cpu_tiny", "data.document_mask=maybe"])
-        flex_cpu = compose(config_name="train", overrides=["experiment=cpu_tiny", "attention=flex"])
+    cfg = compose_train("experiment=cpu_tiny", "attention.window=-2")
+    bad_type = compose_train("experiment=cpu_tiny", "data.document_mask=maybe")
+    flex_cpu = compose_train("experiment=cpu_tiny", "attention=flex")
     assert cfg.model.window == -2  # the attention key reaches the model
     with pytest.raises(ConfigError, match=r"attention.window=-2 must be null"):
         train_mod.validate(cfg)
@@ -213,9 +211,7 @@ def test_bad_window_and_combinations_are_named():
 
 # ----------------------------------------------------------------------------------------- training runs
 def _train(data_cache, out, *extra):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=tiny_run_overrides(data_cache, out, *extra))
-    return train_mod.train(cfg)
+    return train_mod.train(compose_train(*tiny_run_overrides(data_cache, out, *extra)))
 
 
 def _weights(path):

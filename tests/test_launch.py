@@ -4,17 +4,16 @@ environment; on two GPUs, the plain launch, torchrun and trainer=fsdp at the sam
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import train  # noqa: F401  (registers the resolvers)
-from run_overrides import tiny_run_overrides
+from run_overrides import compose_train, tiny_run_overrides
+from two_ranks import free_port
 from recipe import oom
 from recipe.checks import ConfigError, validate_trainer
 from recipe.launch import Launcher, detect_launcher, run_name, shared_launch_id
@@ -57,10 +56,6 @@ def test_launcher_is_detected_from_the_environment(env, expected):
     assert detect_launcher(env) == expected
 
 
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
 
 @pytest.mark.parametrize(
     "env, overrides, devices, nodes",
@@ -69,7 +64,7 @@ def _compose(*overrides):
 )
 def test_trainer_devices_follow_the_launch(launch_env, env, overrides, devices, nodes):
     launch_env(env)
-    cfg = _compose(*overrides)
+    cfg = compose_train(*overrides)
     assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (devices, nodes)
 
 
@@ -99,7 +94,7 @@ def test_a_launch_that_cannot_work_is_refused_by_name(launch_env, monkeypatch, e
     launch_env(env)
     _fake_gpus(monkeypatch, gpus, nccl="+nccl=false" not in overrides)
     overrides = [o for o in overrides if o != "+nccl=false"]
-    cfg = _compose("trainer.accelerator=gpu", *overrides)
+    cfg = compose_train("trainer.accelerator=gpu", *overrides)
     with pytest.raises(ConfigError, match=match):
         validate_trainer(cfg.trainer, detect_launcher())
 
@@ -109,7 +104,7 @@ def test_the_default_trainer_passes_under_every_launcher(launch_env, monkeypatch
     launch_env(env)
     _fake_gpus(monkeypatch, gpus)
     for trainer in ("default", "ddp", "fsdp"):
-        validate_trainer(_compose(f"trainer={trainer}").trainer, detect_launcher())
+        validate_trainer(compose_train(f"trainer={trainer}").trainer, detect_launcher())
 
 
 def test_one_gpu_needs_no_nccl(launch_env, monkeypatch):
@@ -117,7 +112,7 @@ def test_one_gpu_needs_no_nccl(launch_env, monkeypatch):
     launch_env({})
     _fake_gpus(monkeypatch, 2, nccl=False)
     for overrides in (("trainer.devices=1",), ("trainer=gpu",)):
-        validate_trainer(_compose("trainer.accelerator=gpu", *overrides).trainer, detect_launcher())
+        validate_trainer(compose_train("trainer.accelerator=gpu", *overrides).trainer, detect_launcher())
 
 
 @pytest.mark.parametrize(
@@ -128,7 +123,7 @@ def test_one_gpu_needs_no_nccl(launch_env, monkeypatch):
 def test_explicit_multi_gpu_settings_pass(launch_env, monkeypatch, overrides):
     launch_env({})
     _fake_gpus(monkeypatch, 8, nccl="process_group_backend=gloo" not in overrides[-1])
-    validate_trainer(_compose(*overrides).trainer, detect_launcher())
+    validate_trainer(compose_train(*overrides).trainer, detect_launcher())
 
 
 @pytest.mark.parametrize(
@@ -150,7 +145,7 @@ def test_run_directory_is_named_after_what_ran():
 def test_out_of_memory_names_another_process_on_the_same_gpu(monkeypatch):
     monkeypatch.setattr(oom, "other_processes", lambda device: ["pid 4242 (30000 MiB)"])
     monkeypatch.setattr(oom, "memory_held_by_others", lambda device: 30e9)
-    cfg = _compose("experiment=cpu_tiny")
+    cfg = compose_train("experiment=cpu_tiny")
     msg = oom.explain_oom(cfg, torch.OutOfMemoryError("CUDA out of memory."), torch.device("cuda", 1))
     assert "Another process holds memory on this GPU (cuda:1): pid 4242 (30000 MiB)" in msg
     assert "Lower data.batch_size" not in msg  # not the wrong advice
@@ -217,18 +212,12 @@ def test_torchrun_without_a_shared_id_is_refused_with_the_fix(data_cache, tmp_pa
     assert not list(tmp_path.rglob("checkpoints"))  # refused before any work
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_srun_environment_sets_the_world(data_cache, tmp_path):
     """Two tasks as `srun --ntasks-per-node=2 python train.py` starts them: SLURM's variables only."""
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
              "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "127.0.0.1",
-             "MASTER_PORT": str(_free_port())}
+             "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, str(REPO / "train.py"),
            *_shared_dir_overrides(data_cache, tmp_path, "logger=csv", "trainer.accelerator=cpu", "trainer.max_steps=4")]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env={**CPU_ENV, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},

@@ -1,7 +1,14 @@
-"""Two ranks of one machine for the tests that check a collective against a reference (imported by name: tests/
-is on sys.path)."""
+"""Two ranks of one machine, and a free port for their rendezvous, for the tests that launch or check collectives
+(imported by name: tests/ is on sys.path)."""
 
 import socket
+
+
+def free_port() -> int:
+    """A localhost TCP port no process listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn_two_ranks(fn) -> dict:
@@ -9,9 +16,6 @@ def spawn_two_ranks(fn) -> dict:
     tcp://127.0.0.1:port; returns `results`, the dict each rank writes what it found into."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(fn, args=(port, results), nprocs=2)
+    mp.spawn(fn, args=(free_port(), results), nprocs=2)
     return dict(results)
