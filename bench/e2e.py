@@ -52,6 +52,7 @@ from train import TrainingOutOfMemory, train  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 TOKENS_PER_STEP = 16384  # the FA2 paper's per-GPU batch
+CHOICES = {"no": [False], "yes": [True], "both": [False, True]}  # --compile and --document-mask: the runs each asks
 GIB = 2**30
 # FA2 paper Table 1, 8×A100, TFLOP/s per GPU with FlashAttention-2 (for the README's comparison column)
 FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7b", 2048): 205, ("gpt3-2.7b", 8192): 225}
@@ -336,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=["gpt3-1.3b", "gpt3-2.7b"])
     ap.add_argument("--seqlens", nargs="+", type=int, default=[2048, 4096, 8192])
     ap.add_argument("--attentions", nargs="+", default=["naive", "sdpa", "flash"])
-    ap.add_argument("--compile", choices=["no", "yes", "both"], default="no")
-    ap.add_argument("--document-mask", choices=["no", "yes", "both"], default="no",
+    ap.add_argument("--compile", choices=list(CHOICES), default="no")
+    ap.add_argument("--document-mask", choices=list(CHOICES), default="no",
                     help="data.document_mask: attention within each document (pipeline rows only)")
     ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="tokens per GPU step: batch = this // T")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
@@ -359,8 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.cuda.get_device_name()
         meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat(),
                 "run": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # this invocation
-        compiles = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
-        masks = {"no": [False], "yes": [True], "both": [False, True]}[args.document_mask]
+        compiles, masks = (CHOICES[args.compile], CHOICES[args.document_mask])
         # naive last: an OOM leaves the allocator fragmented for whatever runs after it
         attentions = sorted(args.attentions, key=lambda a: a == "naive")
         new = []
