@@ -64,6 +64,7 @@ LAUNCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp_bf16_reduce": ("python", ("trainer=fsdp", "trainer.strategy.reduce_dtype=bf16")),
     "fsdp_limit_all_gathers": ("python", ("trainer=fsdp", "trainer.strategy.limit_all_gathers=true",
                                           "trainer.strategy.forward_prefetch=false")),
+    "ddp_torch_hook": ("python", ("trainer.strategy.comm_hook=torch",)),
     "ddp_sm_carveout_4": ("python", ("trainer.strategy.sm_carveout=4",)),
     "ddp_sm_carveout_8": ("python", ("trainer.strategy.sm_carveout=8",)),
 }

@@ -94,6 +94,7 @@ def data_parallel(
     num_nodes: int = 1,
     reduce_dtype: str = "fp32",
     sm_carveout: int = 0,
+    comm_hook: str = "average",
     **ddp: Any,
 ) -> DDPStrategy | str:
     """DDP with these settings when the run has several ranks; "auto" (Lightning's one-device strategy, no
@@ -101,10 +102,18 @@ def data_parallel(
 
     The gradients are averaged by NCCL in reduce_dtype (model/allreduce.py); bf16: half the bytes, and each
     averaged gradient rounded to bf16 once more per step. sm_carveout: see set_sm_carveout and
-    model/allreduce.py.
+    model/allreduce.py. comm_hook="torch" keeps torch's own fp32 all-reduce (divide, then sum), the baseline
+    the hook is measured against; it takes neither a bf16 wire nor a carve-out.
     """
+    if comm_hook not in ("average", "torch"):
+        raise ValueError(f"trainer.strategy.comm_hook={comm_hook!r}: use average or torch")
+    if comm_hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
+        raise ValueError("trainer.strategy.comm_hook=torch reduces in fp32 on every SM: set reduce_dtype=fp32 "
+                         "and sm_carveout=0, or use comm_hook=average")
     if processes_per_node(str(accelerator), devices) * int(num_nodes) <= 1:
         return "auto"
+    if comm_hook == "torch":
+        return DDPStrategy(**ddp)
     set_sm_carveout(int(sm_carveout))
     return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), **ddp)
 

@@ -56,6 +56,18 @@ def test_ddp_reduces_in_bf16_only_when_asked(gpus):
         data_parallel(devices=2, reduce_dtype="fp16")
 
 
+def test_torch_hook_is_lightnings_plain_ddp_and_refuses_what_it_cannot_do(gpus):
+    gpus(2)
+    strategy = instantiate(compose_train("trainer=ddp", "trainer.strategy.comm_hook=torch").trainer.strategy)
+    assert type(strategy) is DDPStrategy and strategy._ddp_comm_hook is None
+    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "broadcast_buffers": False, "bucket_cap_mb": 25}
+    for bad in ({"reduce_dtype": "bf16"}, {"sm_carveout": 4}):
+        with pytest.raises(ValueError, match="comm_hook=torch reduces in fp32 on every SM"):
+            data_parallel(devices=2, comm_hook="torch", **bad)
+    with pytest.raises(ValueError, match="trainer.strategy.comm_hook='nccl'"):
+        data_parallel(devices=2, comm_hook="nccl")
+
+
 @pytest.fixture
 def carveout_state():
     """set_sm_carveout changes process-wide state: torch's matmul carve-out, restored here."""
