@@ -348,7 +348,7 @@ void run_fwd(const Sizes& s, const at::Tensor& q, const at::Tensor& k, const at:
     if (!hopper) check_sm80_fits(p, device, /*backward=*/false);
     // Freed on return: the caching allocator hands its memory only to work queued after the kernel on this stream.
     at::Tensor tile_counter;
-    if (p.is_causal && !flash::is_varlen_or_local(p)) {  // K and V bytes of a query head (shared by h / h_k of them)
+    if (p.is_causal || flash::is_varlen_or_local(p)) {  // K and V bytes of a query head (shared by h / h_k of them)
         p.causal_group_heads = causal_order_group_heads(2 * s.tk * s.d * q.element_size() / p.h_h_k_ratio, s.b * s.h);
     }
     if (hopper && (p.is_causal || flash::is_varlen_or_local(p))) {  // its blocks take tiles from a counter

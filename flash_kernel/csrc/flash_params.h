@@ -56,7 +56,8 @@ struct FwdParams {
     const int* cu_seqlens_k;  // (b + 1,) int32, likewise
     int total_q;
     int total_k;
-    int causal_group_heads;  // causal forward only: (batch, head) pairs per group of its block order (causal_order.h)
+    int causal_group_heads;  // causal, varlen and windowed forward: (batch, head) pairs per group of the tile
+                             // order (causal_order.h)
     // The device's limits, from its cached properties (flash_api.cpp): the Hopper forward's persistent grid
     // (fwd_tile_scheduler.h) and the sm80 configs' fallbacks where a GPU's shared memory is smaller (the launches).
     int num_sms;

@@ -78,14 +78,12 @@ inline FwdTiles fwd_local_tiles(const FwdParams& p) {
     FwdTiles t{};
     t.n_blocks = ceil_div(p.seqlen_q, kBlockM);
     t.num_tiles = t.n_blocks * p.h * p.b;
-    // Heads in L2-sized groups as in the causal order (causal_order.h), sized by max_seqlen_k's K and V: without them,
-    // the tiles running together would read as many sequences' K and V as there are SMs (on an H200, 0.87x the dense
-    // kernel's speed at hd128, 8 x 2k documents, non-causal; 0.98x with them).
+    // Heads in L2-sized groups as in the causal order (causal_order.h), sized by max_seqlen_k's K and V (run_fwd
+    // sets p.causal_group_heads): without them, the tiles running together would read as many sequences' K and V as
+    // there are SMs (on an H200, 0.87x the dense kernel's speed at hd128, 8 x 2k documents, non-causal; 0.98x with
+    // them).
     const int pairs = p.h * p.b;
-    const int group = p.causal_group_heads > 0
-                          ? p.causal_group_heads
-                          : causal_group_heads(2 * int64_t{p.seqlen_k} * p.d * 2 / p.h_h_k_ratio, pairs);  // 16-bit K, V
-    t.causal = causal_order<FastDiv>(t.n_blocks, p.h, pairs, std::min(group, pairs));
+    t.causal = causal_order<FastDiv>(t.n_blocks, p.h, pairs, std::clamp(p.causal_group_heads, 1, pairs));
     t.blocks = FastDiv(t.n_blocks);
     t.heads = FastDiv(p.h);
     t.q_per_kv_head = FastDiv(p.h_h_k_ratio);
