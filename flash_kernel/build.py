@@ -62,6 +62,15 @@ def _arch_flags(archs: str) -> list[str]:
     return flags + ([SM90A_DEFINE] if "90a" in names else [])
 
 
+def install(built: str, target: str) -> None:
+    """Put the built extension at `target` as a new file renamed into place. A process that imported the old one
+    (a training run while `make test` rebuilds) keeps running it: copying over it in place would rewrite the pages
+    that process has mapped, and it would crash."""
+    partial = f"{target}.{os.getpid()}.partial"
+    shutil.copy2(built, partial)
+    os.replace(partial, target)
+
+
 def build(verbose: bool = False) -> str:
     """Compile and copy the extension; returns the path of the importable .so."""
     from torch.utils import cpp_extension
@@ -95,7 +104,7 @@ def build(verbose: bool = False) -> str:
     )
     built = os.path.join(BUILD_DIR, EXT_NAME + ".so")
     target = os.path.join(PKG_DIR, EXT_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
-    shutil.copy2(built, target)
+    install(built, target)
     print(f"flash_kernel: built {target} in {time.perf_counter() - t0:.1f} s", flush=True)
     return target
 
