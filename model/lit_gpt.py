@@ -58,7 +58,7 @@ class LitGPT(L.LightningModule):
         weight_decay: float = 0.1,
         grad_clip: float | None = 1.0,
         compile: bool = False,
-        loss: str = "torch",
+        loss: str = "fused",
     ) -> None:
         super().__init__()
         check_loss(loss)

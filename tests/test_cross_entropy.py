@@ -232,7 +232,7 @@ def test_loss_key_reaches_the_module_and_is_checked():
 
     default = compose_train("trainer=cpu", "logger=none")
     bad = compose_train("trainer=cpu", "logger=none", "loss=fast")
-    assert default.loss == "torch"
+    assert default.loss == "fused"
     check_types(default)
     with pytest.raises(ConfigError, match="loss='fast' is not one of torch, fused"):
         validate(bad)

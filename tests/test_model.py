@@ -189,12 +189,12 @@ def test_next_token_loss_is_fp32_cross_entropy():
 
 
 def test_compile_covers_the_loss_and_keeps_its_value():
-    """compile=true compiles the loss with the model (its fp32 cast fuses into the cross-entropy), and the
-    compiled step gives the eager step's loss."""
+    """compile=true with loss=torch compiles the loss with the model (its fp32 cast fuses into the
+    cross-entropy), and the compiled step gives the eager step's loss."""
     from model.lit_gpt import LitGPT
 
     kwargs = dict(vocab_size=300, seq_len=64, n_layer=1, n_head=2, d_model=32, attention="sdpa")
-    eager, compiled = LitGPT(model=kwargs), LitGPT(model=kwargs, compile=True)
+    eager, compiled = LitGPT(model=kwargs, loss="torch"), LitGPT(model=kwargs, compile=True, loss="torch")
     compiled.load_state_dict(eager.state_dict())
     compiled.configure_model()
     assert eager.loss_fn is next_token_loss and compiled.loss_fn is not next_token_loss
