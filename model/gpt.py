@@ -12,6 +12,8 @@ token embedding. Each option's default is GPT-3's:
 - norm: LayerNorm, or RMSNorm (Zhang & Sennrich 2019). mlp: GELU, or SwiGLU (Shazeer 2020), whose gate and
   up projections are one matmul. bias: biases in every Linear and LayerNorm.
 
+RoPE and SwiGLU come from model/fusion.py, which runs each as a compiled kernel when the model runs eagerly on a GPU.
+
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
 
@@ -32,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import (AttentionMask, attention_mask, check_attention_supported, check_window,
                              document_positions, get_attention, get_qkvpacked_attention)
+from model.fusion import apply_rope, apply_swiglu
 
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
 VOCAB_MULTIPLE = 64
@@ -171,13 +174,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: tor
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by position: channel i pairs with i + D/2 (GPT-NeoX's rotate-half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D/2) or (B, T, 1, D/2)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, H, D)
-
-
 class KVCache:
     """Keys and values of the tokens seen so far, per layer, for incremental decoding: each forward appends
     its T tokens' k and v and attends its queries to everything cached (causal, aligned bottom-right)."""
@@ -247,8 +243,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = apply_swiglu(h)  # (B, T, d_ff)
         else:
             h = F.gelu(h, approximate="tanh")
         return self.dropout(self.proj(h))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model.attention import ATTENTION, get_attention, naive_attention, sdpa_attention
-from model.gpt import GPT, GPTConfig, KVCache, LayerNorm, ModelConfigError, RMSNorm, apply_rope, rope_cos_sin
+from model.fusion import apply_rope
+from model.gpt import GPT, GPTConfig, KVCache, LayerNorm, ModelConfigError, RMSNorm, rope_cos_sin
 from model.loss import next_token_loss
 
 

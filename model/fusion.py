@@ -1,0 +1,61 @@
+"""RoPE and SwiGLU, each one fused kernel forward and one backward when the model runs eagerly on a GPU.
+
+Eager PyTorch runs each as a chain of kernels over strided views of a fused projection's output. RoPE on q and k,
+views of the qkv matmul's output, takes the two halves of the head dim, four products, a difference, a sum and a
+concatenation; SwiGLU multiplies SiLU of one half of the fc matmul's output by the other half, and its backward
+concatenates the two halves' gradients. PyTorch's elementwise kernels vectorize only contiguous operands, so on the
+views they take their strided path. On Llama-1B at 2 × 8k, eager, these casts, copies and strided kernels take 53 ms
+of a 294 ms step (one H200, docs/results.md section 7), for flash and sdpa alike.
+
+torch.compile turns each chain into one kernel that reads the views where they lie and writes its output once (and
+one for the backward). The functions here are compiled on their own, as model/attention.py compiles flex_attention,
+so an eager run gets those kernels without compiling the model. Under a whole-model torch.compile (compile=true) the
+plain functions are traced into the model's graph instead, and tensors off the GPU run them as they are.
+The compiled kernels compute in fp32 and round once, where eager bf16 rounds after each op.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, H, D) by position: channel i pairs with i + D/2 (GPT-NeoX's rotate-half layout); cos and sin
+    (T, D/2) or (B, T, D/2) -> (B, T, H, D)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D/2) or (B, T, 1, D/2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """h (..., 2·F) = [gate | up] -> SiLU(gate) · up (..., F) (Shazeer 2020)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@functools.cache
+def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn compiled on its own (fullgraph: one graph, no fallback to eager inside it)."""
+    return torch.compile(fn, fullgraph=True)
+
+
+def fused(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn, run compiled on CUDA tensors; as it is inside a compiled region, under dispatch modes (FlopCounterMode,
+    which sees its ops) and off the GPU."""
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
+            return compiled(fn)(x, *args)
+        return fn(x, *args)
+
+    return run
+
+
+apply_rope = fused(rope)
+apply_swiglu = fused(swiglu)

@@ -1,0 +1,108 @@
+"""model/fusion.py: RoPE and SwiGLU trace whole into one graph each with their gradients, run as they are off the GPU,
+and on a GPU run compiled, within the error rule of the plain bf16 functions (and the Llama-style GPT with them)."""
+
+import pytest
+import torch
+
+import model.fusion as fusion
+from model.gpt import GPT, GPTConfig, rope_cos_sin
+from model.loss import next_token_loss
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on a CUDA GPU")
+
+
+def _rope_inputs(B=2, T=37, H=4, Hkv=2, D=32, per_batch=False, device="cpu", dtype=torch.float32, seed=0):
+    """k: a strided (B, T, Hkv, D) view of a fused projection, as the model hands it over; cos and sin (T, D/2), or
+    (B, T, D/2) for positions that restart at document starts."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, H + 2 * Hkv, D, generator=g).to(device, dtype)
+    k = qkv[:, :, H:H + Hkv]
+    pos = torch.randint(0, 4 * T, (B, T) if per_batch else (T,), generator=g).to(device)
+    return k, *rope_cos_sin(pos, D, 10000.0, dtype)
+
+
+def _swiglu_input(B=2, T=37, F=48, device="cpu", dtype=torch.float32, seed=0):
+    """(h,): h (B, T, 2·F), the fc matmul's [gate | up]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, 2 * F, generator=g).to(device, dtype),)
+
+
+def _value_and_grads(fn, *inputs):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    out.backward(torch.ones_like(out).mul_(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)))
+    return [out.detach().float(), *(x.grad.float() for x in leaves)]
+
+
+CASES = {
+    "rope": (fusion.rope, _rope_inputs),
+    "rope_per_batch": (fusion.rope, lambda **kw: _rope_inputs(per_batch=True, **kw)),
+    "swiglu": (fusion.swiglu, _swiglu_input),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_function_traces_into_one_graph_with_the_same_values_and_gradients(case):
+    """fullgraph: one graph with no break, so the GPU's compile makes one kernel of the chain (aot_eager here runs
+    the traced forward and backward graphs as they are)."""
+    fn, make = CASES[case]
+    inputs = make()
+    traced = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    for want, got in zip(_value_and_grads(fn, *inputs), _value_and_grads(traced, *inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_off_the_gpu_the_plain_functions_run(monkeypatch):
+    monkeypatch.setattr(fusion, "compiled", lambda fn: pytest.fail("compiled on a CPU tensor"))
+    k, cos, sin = _rope_inputs()
+    torch.testing.assert_close(fusion.apply_rope(k, cos, sin), fusion.rope(k, cos, sin), rtol=0, atol=0)
+    (h,) = _swiglu_input()
+    torch.testing.assert_close(fusion.apply_swiglu(h), fusion.swiglu(h), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_on_the_gpu_within_twice_the_plain_functions_error(case, dtype, monkeypatch):
+    """Against the fp32 plain function: the compiled kernel's error at most twice the plain function's in `dtype`
+    (the FA2 paper's rule), forward and every gradient; and the compiled path is the one taken."""
+    fn, make = CASES[case]
+    inputs = make(device="cuda", dtype=dtype, T=1023)
+    calls = []
+    real = fusion.compiled
+    monkeypatch.setattr(fusion, "compiled", lambda f: calls.append(f) or real(f))
+    run = fusion.fused(fn)
+    ref = _value_and_grads(fn, *(x.float() for x in inputs))
+    plain = _value_and_grads(fn, *inputs)
+    ours = _value_and_grads(run, *inputs)
+    assert calls == [fn]
+    for what, r, p, o in zip(("out", "d0", "d1", "d2"), ref, plain, ours):
+        err, err_plain = (o - r).abs().max().item(), (p - r).abs().max().item()
+        assert err <= 2 * err_plain + 1e-6, f"{case} {what}: max error {err:.2e}, plain {dtype}'s {err_plain:.2e}"
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_llama_style_gpt_trains_the_same_with_the_compiled_kernels(monkeypatch):
+    """One eager bf16 step of a GPT with RoPE and SwiGLU: loss and gradients with the compiled kernels match the
+    plain functions' to bf16's rounding."""
+    cfg = GPTConfig(vocab_size=500, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=256, pos_emb="rope",
+                    norm="rmsnorm", mlp="swiglu", bias=False, attention="sdpa")
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    x, y = (torch.randint(0, 500, (2, 255), device="cuda") for _ in range(2))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = next_token_loss(model(x), y)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = step()
+    monkeypatch.setattr(fusion, "compiled", lambda fn: fn)  # the plain functions, eager
+    loss_plain, grads_plain = step()
+    torch.testing.assert_close(loss, loss_plain, rtol=2e-3, atol=2e-3)
+    for g, g_plain in zip(grads, grads_plain):
+        torch.testing.assert_close(g, g_plain, rtol=5e-2, atol=2e-3)
