@@ -3,8 +3,8 @@ that overlap backward travel on a communicator of few CTAs while the last one tr
 
 torch's own all-reduce divides every gradient bucket by the world size in a kernel of its own before summing:
 one more read and write of all fp32 gradients per step (3.4 ms for GPT3-1.3B at 2 × 8k on an H200,
-docs/results.md section 6). NCCL's AVG folds the division into the reduction. The whole step does not show the difference
-(0.943 against torch's 0.942 × one GPU's tokens/s per GPU, section 7).
+docs/results.md section 6). NCCL's AVG folds the division into the reduction. The whole step does not show the
+difference (0.943 against torch's 0.942 × one GPU's tokens/s per GPU, section 7).
 
 NCCL's all-reduce kernels take SMs (24 CTAs on two NVLink-connected H200s) for as long as the bucket travels,
 and the matmuls and norms that overlap them lose those SMs. A slim communicator (NCCL's max_ctas) takes fewer
