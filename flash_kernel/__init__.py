@@ -6,7 +6,8 @@
   the backward writes as one tensor;
 - `flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`: packed
   variable-length sequences, each attending only within itself (FlashAttention's varlen layout); every entry takes
-  `window_size=(left, right)`, sliding-window attention;
+  `window_size=(left, right)`, sliding-window attention; `cu_seqlens_to(cu_seqlens, device, total, max_seqlen)`
+  moves a host-built cu_seqlens to the GPU with its values checked on the host, so the ops do not wait to check them;
 - `is_available()` / `unavailable_reason()`: whether the compiled `flash_kernel._C` can run here;
 - `flash_kernel.reference`: the same tiled algorithm in PyTorch, CPU-runnable (reference_fwd/bwd/attn_func),
   and `naive_attention`, the materialised-softmax oracle the tests compare against.
@@ -22,6 +23,7 @@ from flash_kernel.interface import (
     check_inputs,
     check_values_of_cu_seqlens,
     check_varlen_inputs,
+    cu_seqlens_to,
     flash_attn_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
@@ -37,6 +39,7 @@ __all__ = [
     "check_inputs",
     "check_values_of_cu_seqlens",
     "check_varlen_inputs",
+    "cu_seqlens_to",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",

@@ -533,7 +533,8 @@ def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
 
     Reading them waits for the device, so this runs once per tensor and contents: a tensor that passed is marked
     with its version counter (which every in-place write bumps) and its totals, and a later call on it with the same
-    ones skips the check. The model's layers share one cu_seqlens per batch, so a step checks it once, not per layer.
+    ones skips the check. The model's layers share one cu_seqlens per batch, so a step checks it once, not per layer;
+    cu_seqlens_to checks a host-built one before it moves, and its copy is never read back.
     An inference tensor (made under torch.inference_mode, as Lightning's validation makes its batches) has no
     version counter: it is checked on every call.
     """
@@ -562,6 +563,21 @@ def check_values_of_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
                   f"longest sequence's length (or more)")
         if key is not None:
             setattr(cu, _CHECKED_ATTR, key)
+
+
+def cu_seqlens_to(cu_seqlens: torch.Tensor, device: torch.device | str, total: int, max_seqlen: int) -> torch.Tensor:
+    """cu_seqlens on `device`, its values checked where they are first (check_values_of_cu_seqlens for q and k of
+    `total` rows and sequences of at most `max_seqlen`: on a host copy that waits for nothing) and the copy marked
+    as checked, so that the varlen ops skip their own check of it, which would wait for the device. A data pipeline
+    that builds cu_seqlens on the host passes each batch's through here (model/lit_gpt.py). The copy is a normal
+    tensor even under torch.inference_mode, so that its mark holds there too."""
+    check_values_of_cu_seqlens(cu_seqlens, cu_seqlens, total, total, max_seqlen, max_seqlen)
+    with torch.inference_mode(False):
+        moved = cu_seqlens.to(device, non_blocking=True)
+        if moved.is_inference():  # already on `device`, and .to handed the inference tensor back
+            moved = moved.clone()
+    setattr(moved, _CHECKED_ATTR, _checked_key(moved, total, max_seqlen))
+    return moved
 
 
 def _checked_key(cu: torch.Tensor, total: int, max_len: int) -> tuple[int, int, int] | None:

@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from flash_kernel import cu_seqlens_to
 from model.attention import check_attention_runs_on
 from model.checkpoint import check_model_matches
 from model.distributed import clip_grad_norm_
@@ -96,6 +97,16 @@ class LitGPT(L.LightningModule):
     def on_fit_start(self) -> None:
         # Before the sanity check and the first step (and their compiles): a kernel that cannot run on this GPU.
         check_attention_runs_on(self.cfg.attention, self.cfg.head_dim, self.device)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """A document batch's cu_seqlens (data/windows.py builds it on the host) is checked there and marked as such
+        on its way to the device (flash_kernel.cu_seqlens_to): the varlen kernel's own check would read it back from
+        the GPU, a host sync every step. Its bounds: the B·T tokens of the batch, documents no longer than T."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 3:
+            x, y, cu_seqlens = batch
+            x, y = super().transfer_batch_to_device((x, y), device, dataloader_idx)
+            return x, y, cu_seqlens_to(cu_seqlens, device, x.numel(), x.shape[1])
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

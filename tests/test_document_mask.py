@@ -242,3 +242,28 @@ def test_ddp_on_two_cpu_processes_trains_with_document_mask(data_cache, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "metrics.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 3 and math.isfinite(summary["val/loss"])
+
+
+def test_document_batches_reach_the_device_with_their_cu_seqlens_checked(monkeypatch):
+    """LitGPT moves a document batch's cu_seqlens through flash_kernel.cu_seqlens_to: its values are checked on the
+    host against the batch's B·T tokens and T, and the moved copy needs no check by the varlen op (a device read);
+    a plain (x, y) batch moves as before, and a cu_seqlens that does not fit the batch is refused on the way."""
+    from flash_kernel import interface
+    from model.lit_gpt import LitGPT
+
+    module = LitGPT(model=dict(vocab_size=300, seq_len=16, n_layer=1, n_head=2, d_model=32, attention="sdpa"))
+    starts = torch.zeros(2, 16, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, 5] = starts[1, 9] = True
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    cu = packed_cu_seqlens(starts)
+    moved = module.transfer_batch_to_device((x, y, cu), torch.device("cpu"), 0)
+    assert len(moved) == 3 and torch.equal(moved[2], cu)
+    reads = []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **kw: reads.append(1) or stack(*a, **kw))
+    interface.check_values_of_cu_seqlens(moved[2], moved[2], x.numel(), x.numel(), 16, 16)
+    assert not reads, "the moved cu_seqlens is read again by the op's check"
+    assert len(module.transfer_batch_to_device((x, y), torch.device("cpu"), 0)) == 2
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] is 32 but q has 16 rows"):
+        module.transfer_batch_to_device((x[:1], y[:1], cu), torch.device("cpu"), 0)

@@ -112,6 +112,27 @@ def test_inference_tensors_are_checked_on_every_call(monkeypatch):
         interface.check_values_of_cu_seqlens(bad, cu_k[[0, -1]], q.shape[0], k.shape[0], max_q, k.shape[0])
 
 
+def test_cu_seqlens_to_checks_on_the_host_and_marks_the_copy(monkeypatch):
+    """A data pipeline's cu_seqlens, checked before it moves: the ops then never read it back (a device wait)."""
+    reads = []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **kw: reads.append(1) or stack(*a, **kw))
+    cu = _cu([3, 0, 5, 1])  # 9 rows of q and k, sequences of at most 5
+    for mode in (torch.enable_grad, torch.inference_mode):  # training, and Lightning's validation
+        reads.clear()
+        with mode():
+            moved = interface.cu_seqlens_to(cu.clone(), "cpu", 9, 5)
+            assert reads, "the values are checked on the way"
+            checked = len(reads)
+            interface.check_values_of_cu_seqlens(moved, moved, 9, 9, 5, 5)
+        assert len(reads) == checked, f"under {mode.__name__}, the op's check reads the moved copy again"
+        assert torch.equal(moved, cu)
+    with pytest.raises(ValueError, match="more than max_seqlen_q = 4"):
+        interface.cu_seqlens_to(cu, "cpu", 9, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_q\\[-1\\] is 9 but q has 10 rows"):
+        interface.cu_seqlens_to(cu, "cpu", 10, 5)
+
+
 @pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1.5, 0), (True, 0), (3,), "ab", None])
 def test_bad_window_is_named(window):
     with pytest.raises(ValueError, match="window_size"):
