@@ -68,7 +68,7 @@ def test_bf16_wire_rounds_the_mean_once_into_the_fp32_gradients(nccl):
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL all-reduce: needs 2 CUDA GPUs")
 
 
-def _ddp_grads(rank: int, port: int, results) -> None:
+def _ddp_grads(rank: int, results) -> None:
     """Rank `rank` of 2: the same small GPT and per-rank batch under torch's DDP all-reduce and under
     average_hook (fp32 with a 2-CTA communicator, then bf16); each run's gradients after one backward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -76,8 +76,6 @@ def _ddp_grads(rank: int, port: int, results) -> None:
     from model.allreduce import slim_group
     from model.gpt import GPT, GPTConfig
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32, vocab_size=97, attention="sdpa")
     idx = torch.randint(0, 97, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
     slim = slim_group(2)
@@ -92,7 +90,6 @@ def _ddp_grads(rank: int, port: int, results) -> None:
             model(idx).float().square().mean().backward()
         grads[name] = [p.grad.cpu() for p in model.parameters()]
     results[rank] = grads
-    dist.destroy_process_group()
 
 
 @pytest.mark.gpu

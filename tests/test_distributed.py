@@ -163,18 +163,15 @@ two_gpus = pytest.mark.skipif(
 )
 
 
-def _clip_on_fsdp_shards(rank: int, port: int, results) -> None:
+def _clip_on_fsdp_shards(rank: int, results) -> None:
     """Rank `rank` of 2: a GPT with one FSDP unit per Block (as trainer=fsdp wraps it), one backward in bf16
     autocast, then FSDP's clip_grad_norm_ and ours on copies of the same sharded gradients."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from model.gpt import GPT, Block, GPTConfig
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=3, n_head=2, d_model=64, seq_len=32, vocab_size=97, attention="sdpa")
     model = FSDP(GPT(cfg), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=rank,
@@ -192,7 +189,6 @@ def _clip_on_fsdp_shards(rank: int, port: int, results) -> None:
     same = all((a is None and b is None) or torch.allclose(a, b, rtol=1e-5, atol=0)
                for a, b in zip(clipped_theirs, [p.grad for p in params]))
     results[rank] = (float(theirs), float(ours), same, sum(g is not None for g in saved))
-    dist.destroy_process_group()
 
 
 @pytest.mark.gpu
