@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import merge_file  # noqa: E402
+from bench.common import join_torchrun_group, merge_file  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PROTOCOLS = ("auto", "LL", "LL128", "Simple")
@@ -41,9 +41,7 @@ def worker(sizes_mb: list[float], dtypes: list[str], warmup: int, iters: int) ->
     """One rank: time all_reduce of each size and dtype; rank 0 prints one JSON line per case."""
     import torch.distributed as dist
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    join_torchrun_group()
     world = dist.get_world_size()
     for name in dtypes:
         dtype = DTYPES[name]

@@ -83,3 +83,16 @@ def seconds_per_call(step, warmup: int, iters: int) -> float:
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters
+
+
+def join_torchrun_group() -> int:
+    """This torchrun rank on its GPU, in the NCCL process group of torchrun's world; returns its local rank."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return local

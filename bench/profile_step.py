@@ -164,15 +164,13 @@ def ddp_wrap(reduce_dtype: str, sm_carveout: int, hook: str):
     """Join torchrun's process group and return a function that wraps the GPT in DDP as the pipeline's
     trainer=ddp does (conf/trainer/strategy/data_parallel.yaml, model/allreduce.py's hook); hook="torch":
     torch's own all-reduce (a divide kernel, then a sum), fp32 only."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from bench.common import join_torchrun_group
     from model.allreduce import AllReduceState, average_hook, slim_group
     from model.distributed import DTYPES
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    local = join_torchrun_group()
     conf = yaml.safe_load(DDP_CONF.read_text())
     settings = {k: conf[k] for k in DDP_KWARGS}
     if hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
