@@ -12,16 +12,26 @@ one for the backward). The functions here are compiled on their own, as model/at
 so an eager run gets those kernels without compiling the model. Under a whole-model torch.compile (compile=true) the
 plain functions are traced into the model's graph instead, and tensors off the GPU run them as they are.
 The compiled kernels compute in fp32 and round once, where eager bf16 rounds after each op.
+
+They run only where a gradient follows (training steps); validation and sampling run the plain functions. Dynamo
+compiles a function anew for each grad mode, dtype and shape it has not seen (a no-grad call is a graph of its own;
+sampling's shapes change with every token against a growing cache), and at its recompile limit (8 per function) a
+fullgraph compile raises. A process that still reaches the limit (many models in one process, as the test suite
+makes) gets a warning, and the function runs plain from then on.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+COMPILED_DEVICES = ("cuda",)  # the device types whose tensors take the compiled kernels
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,14 +54,29 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return torch.compile(fn, fullgraph=True)
 
 
+def runs_compiled(x: torch.Tensor) -> bool:
+    """Whether fn(x, ...) takes the compiled kernel: x on a GPU with a gradient to follow, outside a compiled region
+    (whose graph traces the plain function) and outside dispatch modes (FlopCounterMode, which sees the plain ops)."""
+    return (x.device.type in COMPILED_DEVICES and torch.is_grad_enabled() and x.requires_grad
+            and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode())
+
+
+_past_recompile_limit: set[Callable[..., torch.Tensor]] = set()  # functions that run plain from now on
+
+
 def fused(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """fn, run compiled on CUDA tensors; as it is inside a compiled region, under dispatch modes (FlopCounterMode,
-    which sees its ops) and off the GPU."""
+    """fn, run compiled where runs_compiled says so and plain everywhere else."""
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
-            return compiled(fn)(x, *args)
+        if runs_compiled(x) and fn not in _past_recompile_limit:
+            try:
+                return compiled(fn)(x, *args)
+            except FailOnRecompileLimitHit:  # raised before the compiled code runs: nothing to undo
+                _past_recompile_limit.add(fn)
+                warnings.warn(f"model/fusion.py: {fn.__name__} reached torch._dynamo's recompile limit "
+                              f"(torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}) "
+                              "and runs as plain PyTorch from now on in this process", stacklevel=2)
         return fn(x, *args)
 
     return run

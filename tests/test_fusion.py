@@ -1,5 +1,9 @@
-"""model/fusion.py: RoPE and SwiGLU trace whole into one graph each with their gradients, run as they are off the GPU,
-and on a GPU run compiled, within the error rule of the plain bf16 functions (and the Llama-style GPT with them)."""
+"""model/fusion.py: RoPE and SwiGLU trace whole into one graph each with their gradients, run as they are off the GPU
+and where no gradient follows, give up compiling at dynamo's recompile limit with a warning, and on a GPU run
+compiled, within the error rule of the plain bf16 functions (and the Llama-style GPT with them)."""
+
+import functools
+import warnings
 
 import pytest
 import torch
@@ -9,6 +13,31 @@ from model.gpt import GPT, GPTConfig, rope_cos_sin
 from model.loss import next_token_loss
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    """Each test starts with no compiled function and no function past its recompile limit: dynamo's recompile count
+    is per function for the whole process."""
+    def reset():
+        torch._dynamo.reset()
+        fusion.compiled.cache_clear()
+        fusion._past_recompile_limit.clear()
+
+    reset()
+    yield
+    reset()
+
+
+@pytest.fixture
+def compiles_on_cpu(monkeypatch):
+    """The compiled path for CPU tensors, through dynamo with the eager backend (the graph capture and its guards,
+    without Inductor's code generation); returns the list of functions compiled."""
+    calls = []
+    monkeypatch.setattr(fusion, "COMPILED_DEVICES", ("cpu",))
+    monkeypatch.setattr(fusion, "compiled", functools.cache(
+        lambda fn: calls.append(fn) or torch.compile(fn, backend="eager", fullgraph=True)))
+    return calls
 
 
 def _rope_inputs(B=2, T=37, H=4, Hkv=2, D=32, per_batch=False, device="cpu", dtype=torch.float32, seed=0):
@@ -33,7 +62,7 @@ def _value_and_grads(fn, *inputs):
     leaves = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x).requires_grad_()
               for x in inputs]
     out = fn(*leaves)
-    out.backward(torch.ones_like(out).mul_(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)))
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out))
     return [out.detach().float(), *(x.grad.float() for x in leaves)]
 
 
@@ -62,6 +91,42 @@ def test_off_the_gpu_the_plain_functions_run(monkeypatch):
     torch.testing.assert_close(fusion.apply_rope(k, cos, sin), fusion.rope(k, cos, sin), rtol=0, atol=0)
     (h,) = _swiglu_input()
     torch.testing.assert_close(fusion.apply_swiglu(h), fusion.swiglu(h), rtol=0, atol=0)
+
+
+def test_only_calls_with_a_gradient_to_follow_take_the_compiled_kernels(compiles_on_cpu):
+    """Training compiles; no_grad and inference_mode calls (validation, sampling) and inputs that need no gradient run
+    the plain functions and compile nothing."""
+    k, cos, sin = _rope_inputs()
+    with torch.no_grad():
+        fusion.apply_rope(k.clone().requires_grad_(), cos, sin)
+    with torch.inference_mode():
+        fusion.apply_swiglu(*_swiglu_input())
+    fusion.apply_rope(k, cos, sin)
+    assert compiles_on_cpu == []
+    want, got = _value_and_grads(fusion.rope, k, cos, sin), _value_and_grads(fusion.apply_rope, k, cos, sin)
+    assert compiles_on_cpu == [fusion.rope]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_at_the_recompile_limit_a_function_warns_once_and_runs_plain(compiles_on_cpu):
+    """A new dtype is a recompile; with a limit of 1 the second dtype reaches it. The call that reaches it and every
+    call after return the plain function's values, one warning in all, and the other function still compiles."""
+    real = fusion.swiglu
+    apply = fusion.fused(real)
+    (h,) = _swiglu_input()
+    apply(h.requires_grad_())
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in (torch.float64, torch.float64, torch.bfloat16):
+            x = h.detach().to(dtype).requires_grad_()
+            torch.testing.assert_close(apply(x), real(x), rtol=0, atol=0)
+    limit = [w for w in caught if "recompile limit" in str(w.message)]
+    assert len(limit) == 1 and "swiglu" in str(limit[0].message)
+    assert fusion._past_recompile_limit == {real}
+    k, cos, sin = _rope_inputs()
+    fusion.apply_rope(k.requires_grad_(), cos, sin)
+    assert compiles_on_cpu == [real, fusion.rope]
 
 
 @needs_cuda
@@ -110,3 +175,15 @@ def test_llama_style_gpt_trains_the_same_with_the_compiled_kernels(monkeypatch):
     torch.testing.assert_close(loss, loss_plain, rtol=2e-3, atol=2e-3)
     for g, g_plain in zip(grads, grads_plain):
         torch.testing.assert_close(g, g_plain, rtol=5e-2, atol=2e-3)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_sampling_on_the_gpu_compiles_nothing(monkeypatch):
+    """Sampling's one-token steps, each at a new position, run the plain functions: twelve shapes under no_grad,
+    more than dynamo's recompile limit, compile nothing and raise nothing."""
+    monkeypatch.setattr(fusion, "compiled", lambda fn: pytest.fail(f"{fn.__name__} compiled under no_grad"))
+    with torch.no_grad():
+        for T in range(1, 13):
+            k, cos, sin = _rope_inputs(T=T, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(fusion.apply_rope(k, cos, sin), fusion.rope(k, cos, sin), rtol=0, atol=0)
