@@ -67,6 +67,8 @@ LAUNCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_torch_hook": ("python", ("trainer.strategy.comm_hook=torch",)),
     "ddp_sm_carveout_4": ("python", ("trainer.strategy.sm_carveout=4",)),
     "ddp_sm_carveout_8": ("python", ("trainer.strategy.sm_carveout=8",)),
+    "ddp_sm_carveout_4_backward": ("python", ("trainer.strategy.sm_carveout=4",
+                                              "trainer.strategy.sm_carveout_scope=backward")),
 }
 
 

@@ -57,35 +57,61 @@ def processes_per_node(accelerator: str, devices: Any) -> int:
     return torch.cuda.device_count() if gpu else 1
 
 
-def set_sm_carveout(sms: int) -> None:
+SM_CARVEOUT_SCOPES = ("step", "backward")
+
+
+def set_sm_carveout(sms: int, scope: str = "step") -> None:
     """Leave `sms` SMs of each GPU to the collectives that overlap compute: the persistent kernels (cuBLASLt's
     matmuls, the attention forward) launch one CTA per SM and give each CTA a fixed share of the tiles, so a CTA
     that finds its SM held by an all-reduce starts late and the whole kernel waits for it. With the carve-out
     they launch on the other SMs. 0 keeps every SM for compute.
 
-    It sets process-wide state: torch's experimental matmul carve-out, and cuBLASLt as the matmul backend so
-    that every matmul honours it."""
+    It sets process-wide state: cuBLASLt as the matmul backend, so that every matmul honours a carve-out, and with
+    scope "step" torch's experimental matmul carve-out for every kernel from now on. With scope "backward" the
+    carve-out itself is left to AveragingDDPStrategy, which holds it only while the backward runs: DDP's all-reduces
+    overlap the backward alone, and a carve-out over the whole step costs the forward, the loss and the optimizer
+    their SMs with no collective beside them."""
     if sms < 0:
         raise ValueError(f"trainer.strategy.sm_carveout={sms}: use 0 (off) or a number of SMs")
+    if scope not in SM_CARVEOUT_SCOPES:
+        raise ValueError(f"trainer.strategy.sm_carveout_scope={scope!r}: use one of {', '.join(SM_CARVEOUT_SCOPES)}")
     if sms == 0:
         return
-    torch._C._set_sm_carveout_experimental(sms)
+    if scope == "step":
+        torch._C._set_sm_carveout_experimental(sms)
     if torch.cuda.is_available():
         torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
 class AveragingDDPStrategy(DDPStrategy):
     """Lightning's DDP with model/allreduce.py's hook: NCCL averages the gradients in `reduce_dtype`, and with
-    sm_carveout > 0 every bucket but the last travels on a communicator of sm_carveout CTAs."""
+    sm_carveout > 0 every bucket but the last travels on a communicator of sm_carveout CTAs. With
+    sm_carveout_scope "backward" the compute kernels leave those SMs free from pre_backward to post_backward only
+    (Lightning calls both around loss.backward(), whose end waits for the last bucket's all-reduce)."""
 
-    def __init__(self, reduce_dtype: torch.dtype, sm_carveout: int, **ddp: Any) -> None:
+    def __init__(self, reduce_dtype: torch.dtype, sm_carveout: int, sm_carveout_scope: str = "step",
+                 **ddp: Any) -> None:
         super().__init__(ddp_comm_state=AllReduceState(dtype=reduce_dtype), ddp_comm_hook=average_hook, **ddp)
         self.sm_carveout = sm_carveout
+        self.sm_carveout_scope = sm_carveout_scope
 
     def configure_ddp(self) -> None:
         if self.sm_carveout and self.root_device.type == "cuda":  # the process group exists by now
             self._ddp_comm_state.slim = slim_group(self.sm_carveout)
         super().configure_ddp()
+
+    def _backward_carveout(self) -> bool:
+        return bool(self.sm_carveout) and self.sm_carveout_scope == "backward"
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._backward_carveout():
+            torch._C._set_sm_carveout_experimental(self.sm_carveout)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._backward_carveout():
+            torch._C._set_sm_carveout_experimental(None)
+        super().post_backward(closure_loss)
 
 
 def data_parallel(
@@ -94,6 +120,7 @@ def data_parallel(
     num_nodes: int = 1,
     reduce_dtype: str = "fp32",
     sm_carveout: int = 0,
+    sm_carveout_scope: str = "step",
     comm_hook: str = "average",
     **ddp: Any,
 ) -> DDPStrategy | str:
@@ -101,8 +128,8 @@ def data_parallel(
     wrapper and no all-reduce) when it has one.
 
     The gradients are averaged by NCCL in reduce_dtype (model/allreduce.py); bf16: half the bytes, and each
-    averaged gradient rounded to bf16 once more per step. sm_carveout: see set_sm_carveout and
-    model/allreduce.py. comm_hook="torch" keeps torch's own fp32 all-reduce (divide, then sum), the baseline
+    averaged gradient rounded to bf16 once more per step. sm_carveout and sm_carveout_scope (the whole step or
+    the backward): see set_sm_carveout and model/allreduce.py. comm_hook="torch" keeps torch's own fp32 all-reduce (divide, then sum), the baseline
     the hook is measured against; it takes neither a bf16 wire nor a carve-out.
     """
     if comm_hook not in ("average", "torch"):
@@ -114,8 +141,8 @@ def data_parallel(
         return "auto"
     if comm_hook == "torch":
         return DDPStrategy(**ddp)
-    set_sm_carveout(int(sm_carveout))
-    return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), **ddp)
+    set_sm_carveout(int(sm_carveout), sm_carveout_scope)
+    return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), sm_carveout_scope, **ddp)
 
 
 def fsdp_strategy(

@@ -87,6 +87,29 @@ def test_sm_carveout_sets_the_matmul_carveout_only_when_asked(gpus, carveout_sta
         data_parallel(accelerator="cpu", devices=2, sm_carveout=-1)
 
 
+def test_backward_scoped_carveout_holds_only_between_pre_and_post_backward(gpus, carveout_state):
+    """sm_carveout_scope=backward: no carve-out when the strategy is built (the forward runs on every SM), the carve-out
+    from pre_backward to post_backward, none after; the step scope keeps it through both hooks."""
+    gpus(0)
+    strategy = instantiate(compose_train("trainer=ddp", "trainer.devices=2", "trainer.strategy.sm_carveout=4",
+                                         "trainer.strategy.sm_carveout_scope=backward").trainer.strategy)
+    assert (strategy.sm_carveout, strategy.sm_carveout_scope) == (4, "backward")
+    assert "sm_carveout_scope" not in strategy._ddp_kwargs
+    loss = torch.zeros(())
+    for _ in range(2):  # every step
+        assert torch._C._get_sm_carveout_experimental() is None
+        strategy.pre_backward(loss)
+        assert torch._C._get_sm_carveout_experimental() == 4
+        strategy.post_backward(loss)
+        assert torch._C._get_sm_carveout_experimental() is None
+    step = data_parallel(accelerator="cpu", devices=2, sm_carveout=4)
+    step.pre_backward(loss)
+    step.post_backward(loss)
+    assert torch._C._get_sm_carveout_experimental() == 4
+    with pytest.raises(ValueError, match="trainer.strategy.sm_carveout_scope='forward'"):
+        data_parallel(accelerator="cpu", devices=2, sm_carveout=4, sm_carveout_scope="forward")
+
+
 def test_fsdp_gathers_bf16_weights_and_reduces_fp32_gradients():
     from torch.distributed.fsdp import BackwardPrefetch
 
