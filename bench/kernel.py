@@ -24,6 +24,11 @@ OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
     python bench/kernel.py --hdims 128 --causal 1 --seqlens 2048 --methods ours sdpa_cudnn --rounds 5 --rep-ms 30
                                                              # in turn, 5 times per mode: ratios that clock drift spares
 
+    python -m flash_kernel.build --out /tmp/b && python bench/kernel.py --candidate /tmp/b/_C*.so \
+        --methods ours ours_candidate --rounds 5 --hdims 128 --causal 1
+                                                             # another build (other nvcc flags) against the
+                                                             # package's, in turn on the same tensors
+
     python bench/kernel.py --varlen                          # document-masked (varlen) and sliding-window grid
     python bench/kernel.py --varlen --help                   # its own options (bench/kernel_varlen.py)
 
@@ -59,7 +64,7 @@ HIDDEN = 2048  # heads = HIDDEN // hd
 HEAD_DIMS = [64, 128]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 MODES = ["fwd", "bwd", "fwd_bwd"]
-METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4", "ours", "ours_sm80"]
+METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4", "ours", "ours_sm80", "ours_candidate"]
 LABELS = {
     "naive": "naive (PyTorch)",
     "sdpa": "SDPA default",
@@ -69,9 +74,13 @@ LABELS = {
     "fa4": "FlashAttention-4",
     "ours": "ours (flash_kernel)",
     "ours_sm80": "ours, sm80 kernels",
+    "ours_candidate": "ours, --candidate build",
 }
 INPUTS = ["native", "bthd"]  # --inputs (module docstring); rows without the field are "native"
-OURS = ("ours", "ours_sm80")  # ours_sm80: the mma.sync kernels a Hopper GPU can also run (set_kernel_overrides)
+# ours_sm80: the mma.sync kernels a Hopper GPU can also run (set_kernel_overrides); ours_candidate: the build that
+# --candidate names (`python -m flash_kernel.build --out DIR`), run through the same ops (interface.using_extension).
+OURS = ("ours", "ours_sm80", "ours_candidate")
+CANDIDATE = None  # the --candidate build's module (flash_kernel.interface.load_extension)
 BTHD_METHODS = (*OURS, "fa4")  # the methods that take (B, T, H, D) tensors in every --inputs kind
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
@@ -144,6 +153,8 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         raise ValueError(f"unknown inputs {inputs!r}; choose from {INPUTS}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if method == "ours_candidate" and CANDIDATE is None:
+        raise BackendUnsupported("no --candidate build given")
     if method in OURS:
         import flash_kernel
 
@@ -174,6 +185,10 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
             from flash_kernel.interface import kernel_overrides
 
             context = lambda: kernel_overrides(fwd="sm80", bwd="sm80")  # noqa: E731
+        elif method == "ours_candidate":
+            from flash_kernel.interface import using_extension
+
+            context = lambda: using_extension(CANDIDATE)  # noqa: E731
     return (*leaves, do), fn, context
 
 
@@ -448,13 +463,17 @@ def format_table(results: list[dict], device: str, inputs: str = "native") -> st
                 if not seqlens:
                     continue
                 out.append(f"\n### {MODE_LABELS[mode]}, hd {head_dim}, {'causal' if causal else 'non-causal'}\n")
+                candidate = "ours_candidate" in methods
                 header = ["T"] + [LABELS[m] for m in methods] + ["ours/FLASH", "ours/SDPA", "ours/cuDNN", "ours/FA4"]
+                header += ["candidate/ours", "candidate/FA4"] if candidate else []
                 out.append("| " + " | ".join(header) + " |")
                 out.append("|" + "---|" * len(header))
                 for seqlen in seqlens:
                     get = lambda m: index.get((m, head_dim, causal, seqlen, mode))  # noqa: E731
                     cells = [str(seqlen)] + [_cell(get(m)) for m in methods]
                     cells += [_ratio(get("ours"), get(m)) for m in ("sdpa_flash", "sdpa", "sdpa_cudnn", "fa4")]
+                    if candidate:
+                        cells += [_ratio(get("ours_candidate"), get(m)) for m in ("ours", "fa4")]
                     out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -519,6 +538,9 @@ def parse_args(argv=None):
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the parts merge into")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the table and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
+    p.add_argument("--candidate", type=Path, default=None, metavar="SO",
+                   help="another build of the extension (`python -m flash_kernel.build --out DIR` prints its file), "
+                        "timed as method ours_candidate; keep its rows apart with --results")
     p.add_argument("--varlen", action="store_true",
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
@@ -567,6 +589,13 @@ def main(argv=None) -> int:
 
         if not flash_kernel.is_available():
             print(f"note: ours (flash_kernel) skipped: {flash_kernel.unavailable_reason()}")
+    global CANDIDATE
+    if args.candidate is not None:
+        from flash_kernel.interface import load_extension
+
+        CANDIDATE = load_extension(args.candidate)
+    elif "ours_candidate" in args.methods:
+        print("note: ours_candidate skipped: no --candidate build given")
     torch.manual_seed(0)
     env = environment()
     device = env["device"]

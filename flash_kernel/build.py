@@ -1,8 +1,10 @@
-"""Build the FlashAttention-2 CUDA extension in place: `python -m flash_kernel.build [--require]`.
+"""Build the FlashAttention-2 CUDA extension in place: `python -m flash_kernel.build [--require] [--out DIR]`.
 
 Compiles flash_kernel/csrc/*.cu + flash_api.cpp with torch.utils.cpp_extension (ninja, MAX_JOBS
 defaulting to the core count) into flash_kernel/_build/, then copies the shared object next to the
-package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. The kernels follow FA2
+package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. With --out DIR it builds in DIR/_build
+and puts the extension at DIR/_C<ext suffix> instead, leaving the package's own build alone: a second build (other
+nvcc flags, say) that FLASH_KERNEL_EXT or `bench/kernel.py --candidate` runs beside it (flash_kernel/interface.py). The kernels follow FA2
 (Dao, 2023) Algorithms 1 and 2; see csrc/flash_fwd_kernel.cuh (and its Hopper
 form, csrc/flash_fwd_hopper_kernel.cuh) and csrc/flash_bwd_common.cuh.
 
@@ -71,14 +73,15 @@ def install(built: str, target: str) -> None:
     os.replace(partial, target)
 
 
-def build(verbose: bool = False) -> str:
-    """Compile and copy the extension; returns the path of the importable .so."""
+def build(verbose: bool = False, out: str | None = None) -> str:
+    """Compile and copy the extension (into the package, or into `out`); returns the path of the loadable .so."""
     from torch.utils import cpp_extension
 
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     archs = os.environ.get("FLASH_KERNEL_ARCHS", DEFAULT_ARCHS)
     sources = sorted(glob.glob(os.path.join(CSRC_DIR, "*.cu"))) + [os.path.join(CSRC_DIR, "flash_api.cpp")]
-    os.makedirs(BUILD_DIR, exist_ok=True)
+    build_dir = os.path.join(out, "_build") if out else BUILD_DIR
+    os.makedirs(build_dir, exist_ok=True)
     extra = os.environ.get("FLASH_KERNEL_NVCC_EXTRA", "")
     nvcc_flags = [
         "-O3",
@@ -98,14 +101,17 @@ def build(verbose: bool = False) -> str:
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=nvcc_flags,
         extra_include_paths=[CSRC_DIR],
-        build_directory=BUILD_DIR,
+        build_directory=build_dir,
         verbose=verbose,
         is_python_module=True,
     )
-    built = os.path.join(BUILD_DIR, EXT_NAME + ".so")
-    target = os.path.join(PKG_DIR, EXT_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+    built = os.path.join(build_dir, EXT_NAME + ".so")
+    target = os.path.join(out or PKG_DIR, EXT_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
     install(built, target)
     print(f"flash_kernel: built {target} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if out:
+        print(f"flash_kernel: run it with FLASH_KERNEL_EXT={target}, or time it beside the package's build with "
+              f"`python bench/kernel.py --candidate {target} --methods ours ours_candidate ...`", flush=True)
     return target
 
 
@@ -113,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--require", action="store_true", help="fail (exit 1) instead of skipping without CUDA")
     parser.add_argument("--verbose", action="store_true", help="show the ninja/nvcc command lines")
+    parser.add_argument("--out", metavar="DIR", help="build in DIR and put the extension there, not in the package")
     args = parser.parse_args(argv)
     reason = _unavailable_reason()
     if reason is not None:
         print(f"flash_kernel: not building the CUDA extension: {reason}", flush=True)
         return 1 if args.require else 0
-    build(verbose=args.verbose)
+    build(verbose=args.verbose, out=os.path.abspath(args.out) if args.out else None)
     return 0
 
 

@@ -35,13 +35,20 @@ HEAD_DIM_MULTIPLE up to MAX_HEAD_DIM, forward and backward.
 
 `set_kernel_overrides` / `kernel_overrides` are the tests' and benchmarks' switches (the sm80 kernels on a Hopper
 GPU, a smaller shared-memory limit, the causal block order's groups); nothing else changes which kernel runs.
+
+Another build of the extension (`python -m flash_kernel.build --out DIR`, e.g. with a kernel trait flipped) runs in
+place of flash_kernel._C when FLASH_KERNEL_EXT names its file, or for the body of `using_extension(module)` with a
+module from `load_extension(path)`: two builds timed in one process, on the same tensors (bench/kernel.py
+--candidate).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import math
+import os
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -55,19 +62,54 @@ STRIDE_MULTIPLE = 8  # cp.async moves 16 bytes = 8 fp16/bf16: every row start mu
 
 _BUILD_HINT = "build it with `make build` (or `python -m flash_kernel.build`)"
 
+EXTENSION_ENV = "FLASH_KERNEL_EXT"  # the file of a build to run in place of flash_kernel._C
+
 _C: ModuleType | None = None
 _C_import_error: str | None = None
+_loaded_extensions: dict[str, ModuleType] = {}  # load_extension's modules by real path
+
+
+def load_extension(path: str | os.PathLike) -> ModuleType:
+    """The built extension in the file `path` (`python -m flash_kernel.build --out DIR` prints it) as a module of its
+    own, beside flash_kernel._C: each build keeps its own kernels and its own set_kernel_overrides switches. Raises
+    ImportError for a file that is missing or does not load."""
+    real = os.path.realpath(path)
+    if real not in _loaded_extensions:
+        if not os.path.isfile(real):
+            raise ImportError(f"{path} is not a file; `python -m flash_kernel.build --out DIR` builds one in DIR")
+        # The module's last name is _C: a compiled module's init function is found by that name (PyInit__C).
+        name = f"flash_kernel_build_{len(_loaded_extensions)}._C"
+        spec = importlib.util.spec_from_file_location(name, real)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} is not a loadable module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _loaded_extensions[real] = module
+    return _loaded_extensions[real]
 
 
 def _try_import_C() -> ModuleType | None:
-    """Import flash_kernel._C once and remember why it failed, if it did."""
+    """Import flash_kernel._C (or the build FLASH_KERNEL_EXT names) once and remember why it failed, if it did."""
     global _C, _C_import_error
     if _C is None and _C_import_error is None:
+        path = os.environ.get(EXTENSION_ENV)
         try:
-            _C = importlib.import_module("flash_kernel._C")
+            _C = load_extension(path) if path else importlib.import_module("flash_kernel._C")
         except ImportError as e:  # not built, or built against another torch/CUDA (undefined symbols)
             _C_import_error = f"{type(e).__name__}: {e}"
     return _C
+
+
+@contextlib.contextmanager
+def using_extension(module: ModuleType) -> Iterator[None]:
+    """Every kernel call in the body runs `module`'s kernels (a build from load_extension); the default build's after."""
+    global _C
+    before = _C
+    _C = module
+    try:
+        yield
+    finally:
+        _C = before
 
 
 def unavailable_reason(

@@ -97,6 +97,21 @@ def test_plot_only_redraws_from_json(tmp_path, capsys):
     assert "ours/FLASH" in capsys.readouterr().out
 
 
+def test_candidate_build_has_its_own_ratio_columns():
+    rows = [_row("ours", 400.0), _row("fa4", 500.0), _row("ours_candidate", 450.0)]
+    table = bench.format_table(rows, DEVICE)
+    assert "candidate/ours" in table and "candidate/FA4" in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 2048 |"))
+    assert [c.strip() for c in line.strip("|").split("|")][-2:] == ["1.12", "0.90"]
+    assert "candidate/ours" not in bench.format_table(rows[:2], DEVICE)
+
+
+def test_candidate_method_needs_a_candidate_build(monkeypatch):
+    monkeypatch.setattr(bench, "CANDIDATE", None)
+    with pytest.raises(bench.BackendUnsupported, match="no --candidate build"):
+        bench.make_method("ours_candidate", 1, 1, 8, 64, True, torch.bfloat16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_refuses_to_benchmark_on_cpu(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

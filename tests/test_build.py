@@ -1,7 +1,10 @@
 """flash_kernel/build.py on CPU: which -gencode flags and defines an FLASH_KERNEL_ARCHS value gives, and how the
-built extension is put in place."""
+built extension is put in place (the package's, or --out's)."""
 
 import mmap
+import os
+import sysconfig
+import types
 
 import pytest
 
@@ -37,3 +40,31 @@ def test_install_leaves_a_loaded_extension_intact(tmp_path):
         assert loaded[:11] == b"old kernel "  # what the running process sees
     assert target.read_bytes() == built.read_bytes()  # what the next import loads
     assert sorted(p.name for p in tmp_path.iterdir()) == ["_C.so", "built.so"]  # no partial file left
+
+
+def test_out_builds_a_second_extension_and_leaves_the_packages_alone(tmp_path, monkeypatch, capsys):
+    """--out DIR: the compile's build directory and the installed file are DIR's, with the extra nvcc flags; the
+    package's extension and build directory are not touched."""
+    from torch.utils import cpp_extension
+
+    compiles = []
+
+    def compile_extension(**kw):
+        compiles.append(kw)
+        with open(os.path.join(kw["build_directory"], build.EXT_NAME + ".so"), "wb") as f:
+            f.write(b"candidate")
+
+    monkeypatch.setattr(cpp_extension, "load", compile_extension)
+    monkeypatch.setattr(build, "_unavailable_reason", lambda: None)
+    monkeypatch.setenv("FLASH_KERNEL_NVCC_EXTRA", "-DFLASH_FWD_INTRA_WG_OVERLAP=1")
+    monkeypatch.setenv("MAX_JOBS", "1")
+    package_so = os.path.join(build.PKG_DIR, build.EXT_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+    before = os.path.exists(package_so) and os.stat(package_so).st_mtime_ns
+    assert build.main(["--out", str(tmp_path / "candidate")]) == 0
+    (kw,) = compiles
+    assert kw["build_directory"] == str(tmp_path / "candidate" / "_build")
+    assert "-DFLASH_FWD_INTRA_WG_OVERLAP=1" in kw["extra_cuda_cflags"]
+    target = tmp_path / "candidate" / (build.EXT_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+    assert target.read_bytes() == b"candidate"
+    assert (os.path.exists(package_so) and os.stat(package_so).st_mtime_ns) == before
+    assert f"FLASH_KERNEL_EXT={target}" in capsys.readouterr().out

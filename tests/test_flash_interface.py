@@ -57,6 +57,58 @@ def test_reason_names_the_build_step_when_extension_missing(monkeypatch):
         interface._load_C()
 
 
+@pytest.fixture
+def fresh_extension_state(monkeypatch):
+    """No extension imported yet and none loaded from a file: what a new process starts with."""
+    monkeypatch.setattr(interface, "_C", None)
+    monkeypatch.setattr(interface, "_C_import_error", None)
+    monkeypatch.setattr(interface, "_loaded_extensions", {})
+    monkeypatch.delenv(interface.EXTENSION_ENV, raising=False)
+
+
+def _stand_in_build(path: Path, name: str) -> Path:
+    """A module file with the extension's unsupported_reason, answering with `name` (a compiled build is a .so; the
+    loader takes either)."""
+    path.write_text(f"def unsupported_reason(head_dim, device, deterministic):\n    return {name!r}\n")
+    return path
+
+
+def test_flash_kernel_ext_runs_another_build_in_place_of_the_packages(fresh_extension_state, monkeypatch, tmp_path):
+    build = _stand_in_build(tmp_path / "candidate.py", "from the candidate")
+    monkeypatch.setenv(interface.EXTENSION_ENV, str(build))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert interface.unavailable_reason(64) == "from the candidate"
+    assert interface._load_C().__name__.endswith("._C")  # a compiled build's init function is PyInit__C
+    assert interface.load_extension(build) is interface._load_C()  # one module per file
+
+
+def test_a_missing_build_file_is_the_reason_with_the_command_that_makes_one(fresh_extension_state, monkeypatch,
+                                                                            tmp_path):
+    monkeypatch.setenv(interface.EXTENSION_ENV, str(tmp_path / "nowhere.so"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = flash_kernel.unavailable_reason()
+    assert "nowhere.so is not a file" in reason and "python -m flash_kernel.build --out DIR" in reason
+    with pytest.raises(ImportError, match="nowhere.so is not a file"):
+        interface.load_extension(tmp_path / "nowhere.so")
+
+
+def test_using_extension_routes_the_ops_to_that_build_and_back(fresh_extension_state, monkeypatch):
+    """The ops look _C up at each call: inside the with statement they reach the given build, after it the package's
+    build again (here: none, so the call names the build step)."""
+    monkeypatch.setattr(interface, "check_inputs", lambda q, k, v, check_device=True: _check(q, k, v))
+    monkeypatch.setattr(interface.importlib, "import_module", _raise_import_error)
+    calls = []
+    build = _reference_C()
+    build.fwd = lambda *args, fwd=build.fwd: calls.append("fwd") or fwd(*args)
+    q, k, v = _qkv()
+    with interface.using_extension(build):
+        o = flash_kernel.flash_attn_func(q, k, v, causal=True)
+    assert calls == ["fwd"] and o.shape == q.shape and interface._C is None
+    with pytest.raises(RuntimeError, match="make build"):
+        flash_kernel.flash_attn_func(q, k, v, causal=True)
+
+
 def _gpu_with_kernel(monkeypatch, unsupported):
     """Pretend a CUDA device and a built _C whose unsupported_reason(head_dim, device_index, deterministic) is
     `unsupported`; returns the calls it saw."""
