@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, rates, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
+from model.distributed import clip_grad_norm_  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig, packs_qkv  # noqa: E402
 from model.loss import LOSSES, next_token_loss  # noqa: E402
@@ -137,7 +138,8 @@ def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, com
 def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
               wrap=None, **model_overrides):
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
-    with the model when compile and loss=torch, as LitGPT), fused AdamW, clipping. Returns (step, GPTConfig);
+    with the model when compile and loss=torch, as LitGPT), fused AdamW, the pipeline's clipping (applied by the
+    fused step, model/distributed.py clip_grads_with_norm_). Returns (step, GPTConfig);
     model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
@@ -156,7 +158,7 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
         with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
             value = loss_fn(forward(inp), tgt, loss)
         value.backward()
-        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+        clip_grad_norm_(gpt, None, 1.0, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -184,12 +184,35 @@ def fsdp_strategy(
 
 
 @torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Scale the gradients whose total 2-norm is total_norm to at most max_norm, as torch's clip_grads_with_norm_
+    (a factor of min(1, max_norm / (total_norm + 1e-6)), on the device: no host sync).
+
+    With an optimizer whose fused step takes a gradient scale (torch's fused Adam and AdamW: the attribute
+    GradScaler sets, `grad_scale`), the scaling is the step's: its kernel divides each gradient by grad_scale as it
+    reads it and stores the quotient back, so the gradients end the step clipped as before and the separate
+    multiply, one read and one write of every gradient, is not run (GPT3-1.3B: 10.5 GB of fp32 gradients a step
+    read and written, 5.2 GB of it saved). Pass an optimizer only when no GradScaler drives the step: the
+    scaler sets grad_scale itself.
+    """
+    if optimizer is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        clip_coef = (max_norm / (total_norm.float() + 1e-6)).clamp(max=1.0)
+        optimizer.grad_scale = clip_coef.reciprocal()
+        return
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+
+
+@torch.no_grad()
 def clip_sharded_grad_norm_(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Clip gradients that are sharded over `group` (each rank holds a disjoint part of every gradient) to a
     total 2-norm of max_norm; returns that norm. The norm is taken over all shards: sqrt of the sum over ranks
-    of each rank's sum of squares.
+    of each rank's sum of squares. optimizer: see clip_grads_with_norm_.
 
     FSDP's clip_grad_norm_ computes the same, one norm and one multiply per parameter tensor (about 600
     kernel launches for GPT3-350M); torch's foreach kernels do it in a few.
@@ -203,17 +226,23 @@ def clip_sharded_grad_norm_(
     squares = local.square()
     dist.all_reduce(squares, group=group)
     total = squares.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    clip_grads_with_norm_(parameters, max_norm, total, optimizer)
     return total
 
 
-def clip_grad_norm_(module: torch.nn.Module, strategy: Any, max_norm: float) -> torch.Tensor:
-    """Clip `module`'s gradients to a total 2-norm of max_norm under the run's strategy; returns the norm."""
+def clip_grad_norm_(module: torch.nn.Module, strategy: Any, max_norm: float,
+                    optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Clip `module`'s gradients to a total 2-norm of max_norm under the run's strategy; returns the norm.
+    optimizer: the step that applies the clip where it can (clip_grads_with_norm_)."""
     if isinstance(strategy, FSDPStrategy):
         from torch.distributed.fsdp import ShardingStrategy
 
         root = strategy.model
         if root.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-            return clip_sharded_grad_norm_(module.parameters(), max_norm, root.process_group)
+            return clip_sharded_grad_norm_(module.parameters(), max_norm, root.process_group, optimizer)
         return root.clip_grad_norm_(max_norm)  # replicated or hybrid shards: FSDP knows which ranks to sum
-    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    parameters = [p for p in module.parameters() if p.grad is not None]
+    with torch.no_grad():
+        total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
+        clip_grads_with_norm_(parameters, max_norm, total, optimizer)
+    return total

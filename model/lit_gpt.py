@@ -210,9 +210,12 @@ class LitGPT(L.LightningModule):
         # Clipping here, not through Trainer(gradient_clip_val): Lightning's mixed-precision plugin refuses
         # to clip for fused AdamW even in bf16, where no gradient scaler is involved. Runs once per
         # optimizer step, after DDP's all-reduce (or FSDP's reduce-scatter) and before the step.
+        # With no GradScaler (bf16, fp32) the fused AdamW step applies the clip (clip_grads_with_norm_).
         if not self.hparams.grad_clip:
             return
-        norm = clip_grad_norm_(self, self.trainer.strategy, self.hparams.grad_clip)  # norm over all shards
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        norm = clip_grad_norm_(self, self.trainer.strategy, self.hparams.grad_clip,  # norm over all shards
+                               optimizer if scaler is None else None)
         self.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
     def configure_optimizers(self):

@@ -9,7 +9,8 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 import model.distributed as distributed
 import train  # noqa: F401  (registers the resolvers)
 from model.allreduce import average_hook
-from model.distributed import clip_sharded_grad_norm_, data_parallel, fsdp_strategy, processes_per_node
+from model.distributed import (clip_grad_norm_, clip_sharded_grad_norm_, data_parallel, fsdp_strategy,
+                               processes_per_node)
 from model.gpt import LayerNorm, RMSNorm
 from run_overrides import compose_train
 from two_ranks import spawn_two_ranks
@@ -160,6 +161,43 @@ def test_sharded_clip_of_a_rank_without_gradients(monkeypatch):
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda t, group=None: t.add_(25.0))
     params = [torch.nn.Parameter(torch.zeros(3))]  # no .grad: this rank holds no part of it
     assert clip_sharded_grad_norm_(params, max_norm=1.0).item() == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e3])  # clipped, and a norm under the limit (the factor is 1)
+def test_fused_adamw_applies_the_clip_with_the_same_step(max_norm):
+    """Handed the optimizer, the clip leaves the gradients to the fused AdamW step (grad_scale) and the step ends with
+    the parameters, moments and gradients that clipping in place, then stepping gives. (torch's CPU fused AdamW
+    takes grad_scale as its CUDA kernel does.)"""
+    def run(fold):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, fused=True)
+        norms = []
+        for _ in range(3):
+            model(torch.randn(5, 8)).square().sum().mul(10).backward()
+            norms.append(clip_grad_norm_(model, None, max_norm, opt if fold else None))
+            assert (getattr(opt, "grad_scale", None) is not None) == fold
+            opt.step()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.zero_grad()
+        return norms, list(model.parameters()), grads, opt.state_dict()["state"]
+
+    (norms, params, grads, state), (norms_f, params_f, grads_f, state_f) = run(False), run(True)
+    assert max(n.item() for n in norms) > 1.0  # the clipped case clips
+    torch.testing.assert_close(norms_f, norms, rtol=1e-6, atol=0)  # the steps before differ by rounding
+    torch.testing.assert_close(params_f, params, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads_f, grads, rtol=1e-6, atol=1e-7)
+    for i in state:
+        torch.testing.assert_close(state_f[i], state[i], rtol=1e-6, atol=1e-7)
+
+
+def test_an_optimizer_without_a_gradient_scale_is_clipped_in_place():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no fused step to take grad_scale
+    model(torch.ones(2, 4)).sum().mul(100).backward()
+    norm = clip_grad_norm_(model, None, 1.0, opt)
+    assert norm > 1.0 and not hasattr(opt, "grad_scale")
+    assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item() == pytest.approx(1.0, rel=1e-5)
 
 
 @pytest.mark.parametrize("norm_cls", [LayerNorm, RMSNorm])
