@@ -70,7 +70,7 @@ bench-e2e: install build ## end-to-end GPT throughput/MFU through the real pipel
 	$(PYTHON) bench/e2e.py $(ARGS)
 
 clean: ## remove build outputs (keeps .venv and the data cache)
-	rm -rf flash_kernel/_build flash_kernel/_C*.so build *.egg-info .pytest_cache
+	rm -rf flash_kernel/_build flash_kernel/_candidate flash_kernel/_C*.so build *.egg-info .pytest_cache
 	find . -path ./$(VENV) -prune -o -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean ## also remove .venv, data caches and run directories

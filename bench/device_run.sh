@@ -9,6 +9,11 @@
 #                                                    # `varlen --cases corpus lognormal fixed1k fixed2k fixed4k`, `varlen --cases window`
 #   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
+#   bash bench/device_run.sh candidate "NVCC FLAGS" test   # a second build with these nvcc flags (e.g.
+#                                                    # "-DFLASH_FWD_INTRA_WG_OVERLAP=1") in flash_kernel/_candidate:
+#                                                    # the GPU kernel tests and memcheck on it
+#   bash bench/device_run.sh candidate "NVCC FLAGS" kernel [kernel.py args]  # the same build timed in turn with
+#                                                    # the package's (and FA4 where it imports) on the same tensors
 #   bash bench/device_run.sh launchers [launchers.py args]  # >= 2 GPUs: the DDP step's profile, then per-GPU
 #                                                    # throughput per launch (e.g. --cases gpt3-1.3b:8192:2
 #                                                    # --launches 1gpu python ddp_sm_carveout_4)
@@ -23,7 +28,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
-stage=${1:?usage: bench/device_run.sh check|kernel|varlen|e2e|multi|launchers [args]}
+stage=${1:?usage: bench/device_run.sh check|kernel|varlen|candidate|e2e|multi|launchers [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -90,6 +95,34 @@ varlen)
         grep -E "^\||^- |^note|^skip|^error" "$OUT/varlen_${run}_hd${hd}.log" | tail -n 40
     done
     ;;
+candidate)
+    flags=${1:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|kernel [kernel.py args]}
+    what=${2:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|kernel [kernel.py args]}
+    shift 2
+    build_quietly
+    # Inside the tree and ignored: a warm machine keeps it between calls, and ninja rebuilds only what changed.
+    dir=flash_kernel/_candidate
+    FLASH_KERNEL_NVCC_EXTRA="$flags" step 300 build_candidate $PY -m flash_kernel.build --out "$dir" || exit 1
+    so=$(ls "$PWD/$dir"/_C*.so)
+    case "$what" in
+    test)
+        FLASH_KERNEL_EXT="$so" step 360 test_candidate $PY -m pytest -q -x -m gpu -rfEs tests/kernel
+        tail -n 4 "$OUT/test_candidate.log"
+        FLASH_KERNEL_EXT="$so" step 150 memcheck_candidate compute-sanitizer --tool memcheck --error-exitcode 1 \
+            $PY -m flash_kernel.sanitize
+        grep -E "ERROR SUMMARY" "$OUT/memcheck_candidate.log" | tail -n 2
+        ;;
+    kernel)
+        step 540 kernel_candidate $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 \
+            --rounds 3 --results bench/results/candidate.json "$@"
+        grep -E "^\||^###" "$OUT/kernel_candidate.log" | tail -n 60
+        ;;
+    *)
+        echo "candidate: say test or kernel after the flags" >&2
+        exit 2
+        ;;
+    esac
+    ;;
 e2e)
     build_quietly
     data_quietly
@@ -119,7 +152,7 @@ launchers)
     grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
     ;;
 *)
-    echo "unknown stage $stage (check | kernel | varlen | e2e | multi | launchers)" >&2
+    echo "unknown stage $stage (check | kernel | varlen | candidate | e2e | multi | launchers)" >&2
     exit 2
     ;;
 esac
