@@ -95,6 +95,22 @@ def test_csv_logger_and_loss_falls(data_cache, tmp_path):
     assert losses[-1] < losses[0] and vals[-1] < vals[0]
 
 
+def test_the_fused_adamw_step_applies_the_clip(data_cache, tmp_path, monkeypatch):
+    """No GradScaler (fp32 here, bf16 on a GPU) and a fused AdamW: LitGPT hands the clip to the step as its gradient
+    scale, and no in-place multiply of the gradients runs (model/distributed.py clip_grads_with_norm_)."""
+    import model.distributed as distributed
+
+    handed, multiplied = [], []
+    real = distributed.clip_grads_with_norm_
+    monkeypatch.setattr(distributed, "clip_grads_with_norm_", lambda *a: handed.append(a[3]) or real(*a))
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: multiplied.append(a))
+    train_mod.train(_cfg(data_cache, tmp_path, "logger=none", "+optim.optimizer.fused=true", "trainer.max_steps=4",
+                         "trainer.val_check_interval=100"))
+    # the optimizer itself, not a wrapper: its step reads grad_scale from itself
+    assert len(handed) == 4 and all(type(o) is torch.optim.AdamW and o.defaults["fused"] for o in handed)
+    assert isinstance(handed[-1].grad_scale, torch.Tensor) and multiplied == []
+
+
 def _final_state(ckpt):
     return torch.load(ckpt, map_location="cpu", weights_only=False)
 
