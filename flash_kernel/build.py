@@ -2,11 +2,13 @@
 
 Compiles flash_kernel/csrc/*.cu + flash_api.cpp with torch.utils.cpp_extension (ninja, MAX_JOBS
 defaulting to the core count) into flash_kernel/_build/, then copies the shared object next to the
-package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. With --out DIR it builds in DIR/_build
-and puts the extension at DIR/_C<ext suffix> instead, leaving the package's own build alone: a second build (other
-nvcc flags, say) that FLASH_KERNEL_EXT or `bench/kernel.py --candidate` runs beside it (flash_kernel/interface.py). The kernels follow FA2
-(Dao, 2023) Algorithms 1 and 2; see csrc/flash_fwd_kernel.cuh (and its Hopper
-form, csrc/flash_fwd_hopper_kernel.cuh) and csrc/flash_bwd_common.cuh.
+package as flash_kernel/_C<ext suffix> so `import flash_kernel._C` works. The kernels follow FA2 (Dao, 2023)
+Algorithms 1 and 2; see csrc/flash_fwd_kernel.cuh (and its Hopper form, csrc/flash_fwd_hopper_kernel.cuh) and
+csrc/flash_bwd_common.cuh.
+
+With --out DIR it builds in DIR/_build and puts the extension at DIR/_C<ext suffix> instead, leaving the package's
+own build alone: a second build (other nvcc flags, say) that FLASH_KERNEL_EXT or `bench/kernel.py --candidate` runs
+beside it (flash_kernel/interface.py).
 
 Environment:
   FLASH_KERNEL_ARCHS   semicolon-separated SM versions, default "80;90a" (one -gencode each). "90a" (Hopper's

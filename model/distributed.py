@@ -129,8 +129,9 @@ def data_parallel(
 
     The gradients are averaged by NCCL in reduce_dtype (model/allreduce.py); bf16: half the bytes, and each
     averaged gradient rounded to bf16 once more per step. sm_carveout and sm_carveout_scope (the whole step or
-    the backward): see set_sm_carveout and model/allreduce.py. comm_hook="torch" keeps torch's own fp32 all-reduce (divide, then sum), the baseline
-    the hook is measured against; it takes neither a bf16 wire nor a carve-out.
+    the backward): see set_sm_carveout and model/allreduce.py. comm_hook="torch" keeps torch's own fp32
+    all-reduce (divide, then sum), the baseline the hook is measured against; it takes neither a bf16 wire nor a
+    carve-out.
     """
     if comm_hook not in ("average", "torch"):
         raise ValueError(f"trainer.strategy.comm_hook={comm_hook!r}: use average or torch")
