@@ -102,7 +102,7 @@ def _try_import_C() -> ModuleType | None:
 
 @contextlib.contextmanager
 def using_extension(module: ModuleType) -> Iterator[None]:
-    """Every kernel call in the body runs `module`'s kernels (a build from load_extension); the default build's after."""
+    """Every kernel call in the body runs `module`'s kernels (a build from load_extension), the default's after."""
     global _C
     before = _C
     _C = module
