@@ -9,7 +9,7 @@
 //     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
 //   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block) into kNStages stages
 //     each for K and V; each stage has a "full" mbarrier (its bytes landed) and an "empty" one (every consumer
-//     thread is done reading it), so no block-wide barrier couples the warpgroups.
+//     thread, or warp, is done reading it), so no block-wide barrier couples the warpgroups.
 //   - Warp specialization (FA3 paper, section 3.1): one producer warpgroup issues every load and claims the
 //     tiles, on 24 registers (setmaxnreg), and hands the consumer warpgroups, which compute, the rest of the
 //     register file. Loads issued by consumer threads between their turns would put the loads' empty-stage waits
@@ -18,6 +18,10 @@
 //     ring to issue their matmuls (named barriers), so the tensor cores run one warpgroup's GEMMs while the
 //     others do their softmax. Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait
 //     covers both and the softmax of S_j runs while the other warpgroups' pairs are on the tensor cores.
+//   - Intra-warpgroup overlap (FA3 paper, section 3.2; Traits::kIntraWgOverlap, two warpgroups): a turn commits S_j
+//     and then O += P_{j-1} V_{j-1} as two wgmma groups and waits for S_j alone, so the softmax of S_j (mask, m_i,
+//     exponentials, l_i) also runs while the warpgroup's own P V is on the tensor cores. O's rescale and P_j's
+//     packing into the A-operand registers, which that P V reads, wait for it.
 //   - Persistent (fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
@@ -32,6 +36,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "flash_params.h"
 #include "fwd_tile_scheduler.h"
@@ -104,12 +109,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
         mbarrier_init(full_q, 1);
-        mbarrier_init(empty_q, kNConsumerThreads);  // one arrival per consumer thread: its tile's last S read Q
+        // One arrival per consumer thread (per consumer warp: Traits::kArrivePerWarp): its tile's last S read Q.
+        mbarrier_init(empty_q, Traits::kEmptyArrivals);
         for (int stage = 0; stage < kNStages; ++stage) {
             mbarrier_init(full_k(stage), 1);  // the producer's arrival, plus the tile's bytes
             mbarrier_init(full_v(stage), 1);
-            mbarrier_init(empty_k(stage), kNConsumerThreads);  // one arrival per consumer thread: its wgmmas read it
-            mbarrier_init(empty_v(stage), kNConsumerThreads);
+            mbarrier_init(empty_k(stage), Traits::kEmptyArrivals);  // likewise: its wgmmas read the stage
+            mbarrier_init(empty_v(stage), Traits::kEmptyArrivals);
         }
         for (int slot = 0; slot < kNTileSlots; ++slot) {
             mbarrier_init(full_tile(slot), 1);                   // the producer wrote the slot
@@ -257,9 +263,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     };
     // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
     // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
+    // defer_o = std::true_type (kIntraWgOverlap, while this warpgroup's P_{j-1} V_{j-1} is in flight): acc_o and p,
+    // which that wgmma reads, are left alone; P_j stays in s and O's factors in `correction` until rescale_o_pack_p
+    // after the wait.
     // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
     int local_len_k = 0, local_co = 0;
-    auto softmax = [&](int n_block, int row0) {
+    float correction[2];
+    // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
+    auto pack_p = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kKStepsN; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        }
+    };
+    auto softmax = [&](int n_block, int row0, auto defer_o) {
+        constexpr bool kDeferO = decltype(defer_o)::value;
         const int key0 = n_block * kBlockN;
         if constexpr (kVarlenOrLocal) {
             // Row r sees keys [key_lo, key_hi) (hopper_seqlen.h); a block wholly inside every row's range is not masked.
@@ -300,18 +319,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // r = 0: row my_row, r = 1: row my_row + 8
+            constexpr int kChains = Traits::kRowMaxChains;
             float mx = m_i[r];
+            if constexpr (kChains == 1) {
 #pragma unroll
-            for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+                for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            } else {
+                // kChains independent chains, each through every kChains-th n8 tile, then a tree: the longest fmaxf
+                // dependency is about kNTilesN / kChains deep instead of kNTilesN.
+                float part[kChains];
+#pragma unroll
+                for (int c = 0; c < kChains; ++c) part[c] = fmaxf(s[4 * c + 2 * r], s[4 * c + 2 * r + 1]);
+#pragma unroll
+                for (int i = kChains; i < kNTilesN; ++i) {
+                    part[i % kChains] = fmaxf(part[i % kChains], fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+                }
+#pragma unroll
+                for (int width = kChains / 2; width > 0; width /= 2) {
+#pragma unroll
+                    for (int c = 0; c < width; ++c) part[c] = fmaxf(part[c], part[c + width]);
+                }
+                mx = fmaxf(mx, part[0]);
+            }
             mx = quad_max(mx);
             const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-            const float correction = fast_exp2(m_i[r] * scale_log2 - max_scaled);
+            const float row_correction = fast_exp2(m_i[r] * scale_log2 - max_scaled);
             m_i[r] = mx;
-            l_i[r] *= correction;
+            l_i[r] *= row_correction;
+            if constexpr (kDeferO) {
+                correction[r] = row_correction;
+            } else {
 #pragma unroll
-            for (int i = 0; i < kNTilesD; ++i) {
-                acc_o[4 * i + 2 * r] *= correction;
-                acc_o[4 * i + 2 * r + 1] *= correction;
+                for (int i = 0; i < kNTilesD; ++i) {
+                    acc_o[4 * i + 2 * r] *= row_correction;
+                    acc_o[4 * i + 2 * r + 1] *= row_correction;
+                }
             }
 #pragma unroll
             for (int i = 0; i < kNTilesN; ++i) {
@@ -323,11 +365,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }
         }
-        // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
+        if constexpr (!kDeferO) pack_p();
+    };
+    // The rest of a deferred softmax, once this warpgroup's P_{j-1} V_{j-1} completed.
+    auto rescale_o_pack_p = [&] {
 #pragma unroll
-        for (int kk = 0; kk < kKStepsN; ++kk) {
+        for (int r = 0; r < 2; ++r) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+            for (int i = 0; i < kNTilesD; ++i) {
+                acc_o[4 * i + 2 * r] *= correction[r];
+                acc_o[4 * i + 2 * r + 1] *= correction[r];
+            }
+        }
+        pack_p();
+    };
+    // A K, V or Q stage is free for the producer once this thread's (warp's) wgmmas that read it completed.
+    auto release = [&](uint32_t empty) {
+        if constexpr (Traits::kArrivePerWarp) {
+            __syncwarp();  // every lane of the warp passed its wgmma wait
+            if (lane == 0) mbarrier_arrive(empty);
+        } else {
+            mbarrier_arrive(empty);
         }
     };
 
@@ -383,34 +441,65 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         named_barrier_arrive(next_turn, kTurnBarThreads);
         wgmma_wait<0>();
         pin_registers(s);
-        mbarrier_arrive(empty_k(stage_of(0)));
-        if (n_block_max == 1) mbarrier_arrive(empty_q);
-        softmax(n_min, row0);
+        release(empty_k(stage_of(0)));
+        if (n_block_max == 1) release(empty_q);
+        softmax(n_min, row0, std::false_type{});
+        // kIntraWgOverlap: the turn that computes S_j waits, at its end, for the V_j that the next turn's P V reads.
+        if constexpr (Traits::kIntraWgOverlap) mbarrier_wait(full_v(stage_of(0)), phase_of(0));
 
         // Turn j: O += P_{j-1} V_{j-1} and S_j, then the softmax of S_j while the other warpgroup's turn runs.
         for (int n_block = 1; n_block < n_block_max; ++n_block) {
             const int stage = stage_of(n_block), prev = stage_of(n_block - 1);
-            mbarrier_wait(full_v(prev), phase_of(n_block - 1));
+            if constexpr (!Traits::kIntraWgOverlap) mbarrier_wait(full_v(prev), phase_of(n_block - 1));
             mbarrier_wait(full_k(stage), phase_of(n_block));
             named_barrier_sync(my_turn, kTurnBarThreads);
             wgmma_fence();
-            issue_pv(prev);
-            issue_s(stage);
-            wgmma_commit();
-            named_barrier_arrive(next_turn, kTurnBarThreads);
-            wgmma_wait<0>();
-            pin_registers(acc_o);
-            pin_registers(s);
-            mbarrier_arrive(empty_v(prev));
-            mbarrier_arrive(empty_k(stage));
-            if (n_block == n_block_max - 1) mbarrier_arrive(empty_q);
-            softmax(n_min + n_block, row0);
+            if constexpr (Traits::kIntraWgOverlap) {
+                // S_j first, as its own group, so that wait<1> returns with the P V still in flight.
+                issue_s(stage);
+                wgmma_commit();
+                issue_pv(prev);
+                wgmma_commit();
+                named_barrier_arrive(next_turn, kTurnBarThreads);
+                wgmma_wait<1>();
+                pin_registers(s);
+                release(empty_k(stage));
+                if (n_block == n_block_max - 1) release(empty_q);
+                softmax(n_min + n_block, row0, std::true_type{});
+                // The exponentials and l_i stay before the wait for the P V (they are the overlap), O's rescale and
+                // the writes of p after it (that wgmma reads acc_o and p until it completes). The pins order them for
+                // nvcc's optimizer; for ptxas, the wait for V_j between them (a loop) ends a basic block: its
+                // scheduler hoists a wgmma wait (WARPGROUP.DEPBAR) to the top of its block, above the exponentials.
+                pin_registers(s);
+                pin_registers(l_i);
+                pin_registers(correction);
+                mbarrier_wait(full_v(stage), phase_of(n_block));
+                wgmma_wait<0>();
+                pin_registers(acc_o);
+                pin_registers(p);
+                pin_registers(s);
+                release(empty_v(prev));
+                rescale_o_pack_p();
+            } else {
+                issue_pv(prev);
+                issue_s(stage);
+                wgmma_commit();
+                named_barrier_arrive(next_turn, kTurnBarThreads);
+                wgmma_wait<0>();
+                pin_registers(acc_o);
+                pin_registers(s);
+                release(empty_v(prev));
+                release(empty_k(stage));
+                if (n_block == n_block_max - 1) release(empty_q);
+                softmax(n_min + n_block, row0, std::false_type{});
+            }
         }
 
         // Last turn: O += P_last V_last. The producer has published the next tile a turn or more ago and is loading
         // it while the warpgroups finish this one.
         const int last = stage_of(n_block_max - 1);
-        mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
+        // kIntraWgOverlap: the turn of S_last waited for V_last.
+        if constexpr (!Traits::kIntraWgOverlap) mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
         named_barrier_sync(my_turn, kTurnBarThreads);
         wgmma_fence();
         issue_pv(last);
@@ -420,7 +509,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         if (wg < kNWarpgroups - 1 || more) named_barrier_arrive(next_turn, kTurnBarThreads);
         wgmma_wait<0>();
         pin_registers(acc_o);
-        mbarrier_arrive(empty_v(last));
+        release(empty_v(last));
 
         // O = O / l, LSE = m * scale + log(l), straight from the accumulators: sQ already holds the next tile's Q,
         // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's

@@ -24,8 +24,11 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
 // kPolyExpEvery > 0: the softmax computes the exponentials of every kPolyExpEvery-th n8 tile of S with
 // poly_exp2 (FMA pipe) instead of ex2.approx (SFU).
+// kIntraWgOverlap (FA3 paper, section 3.2): a turn commits S_j and O += P_{j-1} V_{j-1} as two wgmma groups and
+// runs the softmax of S_j (mask, m_i, exponentials, l_i) while its own P V is still on the tensor cores; only O's
+// rescale and P_j's packing wait for it. P_{j-1}, S_j and acc_o are then live at once.
 template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kPolyExpEvery_ = 0,
-          int kNWarpgroups_ = 2>
+          int kNWarpgroups_ = 2, bool kIntraWgOverlap_ = false>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -38,6 +41,13 @@ struct HopperFwdTraits {
     static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
     static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
+    static constexpr bool kIntraWgOverlap = kIntraWgOverlap_;
+    // Two smaller changes that ride with the overlap: each consumer warp's lane 0 releases a K, V or Q stage (one
+    // mbarrier arrival per warp, after __syncwarp, instead of one per thread), and the row max of S_j runs as
+    // kRowMaxChains independent fmaxf chains combined at the end instead of one chain through every column.
+    static constexpr bool kArrivePerWarp = kIntraWgOverlap;
+    static constexpr int kRowMaxChains = kIntraWgOverlap ? 4 : 1;
+    static constexpr int kEmptyArrivals = kArrivePerWarp ? kNConsumerThreads / kWarpSize : kNConsumerThreads;
     // setmaxnreg moves registers between the block's warpgroups, from the launch bound's even split (kEntryRegs per
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
     // share the rest, 240 each for two (hd128's consumers need about 234) and 160 for three (hd64: 154). More for the
@@ -62,6 +72,10 @@ struct HopperFwdTraits {
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
     static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
+    static_assert(!kIntraWgOverlap || kNWarpgroups == 2,
+                  "intra-warpgroup overlap needs two consumer warpgroups: P_{j-1}, S_j and acc_o live together spill "
+                  "the 160 registers that three leave each");
+    static_assert((kBlockN / kMmaN) % kRowMaxChains == 0, "the row max's chains take equal shares of S's n8 tiles");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
     static_assert(kConsumerRegs <= 256 && kProducerRegs + kNWarpgroups * kConsumerRegs <= kEntryRegs * (kNWarpgroups + 1),
                   "setmaxnreg: the warpgroups' registers must fit what the block was launched with");
@@ -73,7 +87,14 @@ struct HopperFwdTraits {
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
-// HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups>:
+// HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups,
+// intra-warpgroup overlap>:
+// The intra-warpgroup overlap is off by default; a build with -DFLASH_FWD_INTRA_WG_OVERLAP=1 (bench/device_run.sh
+// candidate) runs it at hd96 and hd128.
+#ifndef FLASH_FWD_INTRA_WG_OVERLAP
+#define FLASH_FWD_INTRA_WG_OVERLAP 0
+#endif
+constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -92,15 +113,15 @@ template <typename E> struct HopperFwdConfig<64, E> {
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
-    using Traits = HopperFwdTraits<128, 128, 3, E, 96>;
+    using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlap>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
-    using Traits = HopperFwdTraits<128, 192, 2, E>;       // 225 KB of shared memory
-    using ShortTraits = HopperFwdTraits<128, 128, 3, E>;  // 225 KB
+    using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
+    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlap>;  // 225 KB
     static constexpr int kLongKeys = 2048;
 };
 #endif
