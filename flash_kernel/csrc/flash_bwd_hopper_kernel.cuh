@@ -20,6 +20,9 @@
 //            once its dP^T is on the tensor cores (or after the loop).
 // At kBlockM = 64 (kIssueNextSEarly) S^T_{i+1} is issued at the end of iteration i, after the dQ_i stores, so the
 // barrier that closes the iteration and the next block's loads run under a matmul.
+// kDqBeforeDk (a build switch, hopper_bwd_traits.h) takes FA3's order: dV before the dS^T barrier, then dQ_i and dK
+// as two more wgmma groups, so that the dQ_i stores run while dK is on the tensor cores; dK_i completes (behind
+// S^T_{i+1} at kBlockM = 64) before the barrier that closes the iteration.
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
@@ -324,18 +327,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 ds_frag[i / 2][(i % 2) * 2 + 1];
         }
 
-        // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue).
+        // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue);
+        // kDqBeforeDk: dV here, dK behind dQ_i (hopper_bwd_traits.h).
         const uint64_t desc_do_n = make_smem_desc_sw128(sdO_st, kQColBlockBytes, kSwizzleAtomBytes);
         const uint64_t desc_q_n = make_smem_desc_sw128(sQ_st, kQColBlockBytes, kSwizzleAtomBytes);
+        auto issue_dk = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < kKStepsM; ++kk) {
+                Wgmma<Element, kHeadDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
+            }
+        };
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsM; ++kk) {
             Wgmma<Element, kHeadDim>::template rs<1>(acc_dv, p_frag[kk], desc_advance(desc_do_n, kk * kKStepRowsBytes), 1);
         }
-#pragma unroll
-        for (int kk = 0; kk < kKStepsM; ++kk) {
-            Wgmma<Element, kHeadDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
-        }
+        if constexpr (!Traits::kDqBeforeDk) issue_dk();
         wgmma_commit();
 
         // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K. Past
@@ -351,12 +358,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                                 desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(acc_dv);
-        pin_registers(acc_dk);
-        pin_registers(dq);
-        pin_registers(p_frag);
-        pin_registers(ds_frag);
+        if constexpr (Traits::kDqBeforeDk) {
+            // Line 17 as the third group: dV and dQ_i complete, dK += dS^T Q_i runs under the dQ_i stores below.
+            issue_dk();
+            wgmma_commit();
+            wgmma_wait<1>();
+            pin_registers(acc_dv);
+            pin_registers(dq);
+            pin_registers(p_frag);
+        } else {
+            wgmma_wait<0>();
+            pin_registers(acc_dv);
+            pin_registers(acc_dk);
+            pin_registers(dq);
+            pin_registers(p_frag);
+            pin_registers(ds_frag);
+        }
         // To this warpgroup's part of sdQ (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t + {0, 1});
         // columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
         // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
@@ -373,8 +390,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
         }
         fence_view_async_shared();
-        if (m_block + 1 == m_block_max) break;  // the barrier after the loop closes the last iteration
-        if constexpr (Traits::kIssueNextSEarly) issue_s(iter + 1, stage ^ 1);  // under the barrier below
+        if constexpr (Traits::kDqBeforeDk) {
+            // dK_i (Q_i from this stage, dS^T from ds_frag) completes before the barrier below, after which the
+            // stage takes block i+2, and before the loop's back edge or the epilogue's reads of acc_dk.
+            if (m_block + 1 == m_block_max) {
+                wgmma_wait<0>();
+                pin_registers(acc_dk);
+                pin_registers(ds_frag);
+                break;
+            }
+            if constexpr (Traits::kIssueNextSEarly) issue_s(iter + 1, stage ^ 1);  // behind dK_i, under the barrier
+            wgmma_wait<Traits::kIssueNextSEarly ? 1 : 0>();
+            pin_registers(acc_dk);
+            pin_registers(ds_frag);
+        } else {
+            if (m_block + 1 == m_block_max) break;  // the barrier after the loop closes the last iteration
+            if constexpr (Traits::kIssueNextSEarly) issue_s(iter + 1, stage ^ 1);  // under the barrier below
+        }
         // Close the iteration: sdQ holds dQ_i; every wgmma that read sdS or this stage's Q_i / dO_i completed (so
         // the stage takes block i+2); L_{i+1} and D_{i+1} landed (this thread's cp.asyncs, then everyone's).
         cp_async_wait<0>();

@@ -10,6 +10,11 @@
 
 #include "hopper_kernel_traits.h"  // kWarpgroupThreads, kWarpgroupRows, kMaxSmemBytesSm90
 
+// Build switch for HopperBwdTraits::kDqBeforeDk (off by default; -DFLASH_BWD_DQ_BEFORE_DK=1 builds it).
+#ifndef FLASH_BWD_DQ_BEFORE_DK
+#define FLASH_BWD_DQ_BEFORE_DK 0
+#endif
+
 namespace flash {
 
 // kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded) that S^T = K Q_i^T and
@@ -29,6 +34,10 @@ struct HopperBwdTraits {
     // S^T_{i+1} issued at the end of iteration i, so that it runs under the dQ_i stores and the closing barrier
     // (flash_bwd_hopper_kernel.cuh). At kBlockM = 128 its 64 accumulators beside dK and dV spilled.
     static constexpr bool kIssueNextSEarly = kBlockM == kWarpgroupRows;
+    // FA3's matmul order after dS^T: dV += P^T dO_i before the barrier that publishes dS^T, then dQ_i and
+    // dK += dS^T Q_i, so that the dQ_i stores into sdQ run while dK is on the tensor cores. Otherwise dV and dK
+    // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
+    static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
