@@ -100,6 +100,15 @@ def _try_import_C() -> ModuleType | None:
     return _C
 
 
+def _import_failure() -> str:
+    """Why the extension did not import, with what to do about it."""
+    path = os.environ.get(EXTENSION_ENV)
+    if path:
+        return (f"the build that {EXTENSION_ENV}={path} names does not load ({_C_import_error}); unset {EXTENSION_ENV} "
+                "to run the package's own build")
+    return f"the CUDA extension flash_kernel._C is not importable ({_C_import_error}); {_BUILD_HINT}"
+
+
 @contextlib.contextmanager
 def using_extension(module: ModuleType) -> Iterator[None]:
     """Every kernel call in the body runs `module`'s kernels (a build from load_extension), the default's after."""
@@ -126,7 +135,7 @@ def unavailable_reason(
         return "no CUDA device (torch.cuda.is_available() is False); flash_kernel runs on NVIDIA GPUs only"
     C = _try_import_C()
     if C is None:
-        return f"the CUDA extension flash_kernel._C is not importable ({_C_import_error}); {_BUILD_HINT}"
+        return _import_failure()
     if head_dim is None:
         return None
     if head_dim % HEAD_DIM_MULTIPLE or not 0 < head_dim <= MAX_HEAD_DIM:
@@ -148,7 +157,7 @@ def is_available(head_dim: int | None = None, device: torch.device | str | int |
 def _load_C() -> ModuleType:
     C = _try_import_C()
     if C is None:
-        raise RuntimeError(f"flash_kernel._C is not available ({_C_import_error}); {_BUILD_HINT}")
+        raise RuntimeError(_import_failure())
     return C
 
 

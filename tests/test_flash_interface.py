@@ -88,7 +88,11 @@ def test_a_missing_build_file_is_the_reason_with_the_command_that_makes_one(fres
     monkeypatch.setenv(interface.EXTENSION_ENV, str(tmp_path / "nowhere.so"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     reason = flash_kernel.unavailable_reason()
+    assert f"{interface.EXTENSION_ENV}={tmp_path / 'nowhere.so'} names does not load" in reason
     assert "nowhere.so is not a file" in reason and "python -m flash_kernel.build --out DIR" in reason
+    assert f"unset {interface.EXTENSION_ENV}" in reason
+    with pytest.raises(RuntimeError, match="nowhere.so is not a file"):
+        interface._load_C()
     with pytest.raises(ImportError, match="nowhere.so is not a file"):
         interface.load_extension(tmp_path / "nowhere.so")
 
