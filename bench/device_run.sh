@@ -106,7 +106,11 @@ candidate)
     so=$(ls "$PWD/$dir"/_C*.so)
     case "$what" in
     test)
-        FLASH_KERNEL_EXT="$so" step 360 test_candidate $PY -m pytest -q -x -m gpu -rfEs tests/kernel
+        # pytest-xdist, where installed: the small cases leave one GPU mostly idle, so TEST_WORKERS processes
+        # (default 4; 0 runs them in this process) share it.
+        workers=()
+        if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
+        FLASH_KERNEL_EXT="$so" step 360 test_candidate $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs tests/kernel
         tail -n 4 "$OUT/test_candidate.log"
         FLASH_KERNEL_EXT="$so" step 150 memcheck_candidate compute-sanitizer --tool memcheck --error-exitcode 1 \
             $PY -m flash_kernel.sanitize
