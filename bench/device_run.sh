@@ -3,6 +3,8 @@
 # own system python with torch + CUDA). Logs and result files are packed into $OUT.
 #
 #   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
+#   bash bench/device_run.sh python                # build, the GPU tests outside tests/kernel (the model, fusion,
+#                                                    # loss, training runs), one training run per attention
 #   bash bench/device_run.sh kernel [kernel.py args] # make bench-kernel, one part per (head dim, causal)
 #   bash bench/device_run.sh varlen [kernel.py --varlen args]  # document-masked / sliding-window grid, one part per
 #                                                    # head dim; run the docs and window cases as separate stages:
@@ -28,7 +30,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
-stage=${1:?usage: bench/device_run.sh check|kernel|varlen|candidate|e2e|multi|launchers [args]}
+stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|e2e|multi|launchers [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -77,6 +79,17 @@ check)
     step 180 train_naive_oom $PY train.py attention=naive model=gpt3-1.3b seq_len=8192 data.batch_size=2 \
         trainer.max_steps=2 logger=none
     tail -n 2 "$OUT/train_naive_oom.log"
+    ;;
+python)
+    build_quietly
+    data_quietly
+    step 420 test_python $PY -m pytest -q -m gpu -rfEs --ignore=tests/kernel tests
+    tail -n 6 "$OUT/test_python.log"
+    for attn in flash sdpa; do
+        step 180 "train_$attn" $PY train.py attention=$attn trainer.max_steps=100 trainer.val_check_interval=50 \
+            ~callbacks.progress_bar
+        grep -E "^done:|error" "$OUT/train_$attn.log" | tail -n 2
+    done
     ;;
 kernel)
     build_quietly
@@ -156,7 +169,7 @@ launchers)
     grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
     ;;
 *)
-    echo "unknown stage $stage (check | kernel | varlen | candidate | e2e | multi | launchers)" >&2
+    echo "unknown stage $stage (check | python | kernel | varlen | candidate | e2e | multi | launchers)" >&2
     exit 2
     ;;
 esac
