@@ -1,4 +1,4 @@
-"""Small checks of flash_kernel._C against plain PyTorch attention in fp32.
+"""Small checks of flash_kernel._C (or the build FLASH_KERNEL_EXT names) against plain PyTorch attention in fp32.
 
   python3 -m flash_kernel.sanitize            tiny fwd+bwd cases (causal and not, odd lengths, GQA, varlen and
                                               sliding windows): the
@@ -23,9 +23,10 @@ import sys
 
 import torch
 
-from flash_kernel import _C
-from flash_kernel.interface import set_kernel_overrides
+from flash_kernel.interface import _load_C, set_kernel_overrides
 from flash_kernel.reference import naive_attention_varlen
+
+_C = _load_C()  # flash_kernel._C, or the build that FLASH_KERNEL_EXT names (a candidate under the sanitizers)
 
 SLACK = 1e-3  # relative-error slack on top of 2x PyTorch's own low-precision error
 
