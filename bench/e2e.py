@@ -32,6 +32,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, rates, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
+from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig, packs_qkv  # noqa: E402
@@ -246,6 +248,16 @@ def qkv_layout(model: str, attention: str) -> str:
     return "packed" if packs_qkv(GPTConfig(**_model_config(model, attention))) else "views"
 
 
+def kernel_label(label: str | None, other_build: str | None) -> str:
+    """The kernel that attention=flash rows name: KERNEL_VERSION for the package's build. A build that
+    FLASH_KERNEL_EXT names (python -m flash_kernel.build --out) must be named with --kernel-label, so that its rows
+    are their own case, never merged into the package build's."""
+    if other_build and not label:
+        raise SystemExit(f"{EXTENSION_ENV}={other_build} runs another build of the kernels: name it with "
+                         "--kernel-label (e.g. --kernel-label v32+intra-wg-overlap) so its rows stay apart")
+    return label or KERNEL_VERSION
+
+
 def _key(r: dict) -> tuple:
     return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], _attention(r), r["compile"], *_gpus(r))
 
@@ -349,9 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
     ap.add_argument("--loss", choices=LOSSES, default="torch", help="the loss key: torch or fused (model/cross_entropy.py)")
+    ap.add_argument("--kernel-label", default=None, metavar="NAME",
+                    help="what attention=flash rows say they ran, for a build that FLASH_KERNEL_EXT names "
+                         "(e.g. v32+intra-wg-overlap); default flash_kernel.KERNEL_VERSION")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
+    kernel = kernel_label(args.kernel_label, os.environ.get(EXTENSION_ENV))
 
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     if not args.plot_only:
@@ -377,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model), loss=args.loss,
                          qkv="views" if docs else qkv_layout(model, attn),  # documents: q, k, v views (model/gpt.py)
-                         **({"kernel": KERNEL_VERSION} if attn == "flash" else {}),
+                         **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}))
                 new.append(r)
                 print(

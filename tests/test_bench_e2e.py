@@ -105,3 +105,13 @@ def test_document_mask_rows_are_their_own_case_beside_the_unmasked_ones(tmp_path
     assert "data.document_mask=true" in e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 10, 5, document_mask=True)
     e2e.plot(rows, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+def test_rows_of_another_build_must_be_named_and_stay_apart():
+    """FLASH_KERNEL_EXT runs another build: its rows carry --kernel-label and are a case of their own."""
+    assert e2e.kernel_label(None, None) == e2e.KERNEL_VERSION
+    assert e2e.kernel_label("v32+overlap", "/tmp/b/_C.so") == "v32+overlap"
+    with pytest.raises(SystemExit, match="name it with --kernel-label"):
+        e2e.kernel_label(None, "/tmp/b/_C.so")
+    base = dict(device="d", mode="pipeline", model="m", seq_len=8192, batch=2, attention="flash", compile=False)
+    assert e2e._key(dict(base, kernel="v32")) != e2e._key(dict(base, kernel="v32+overlap"))
