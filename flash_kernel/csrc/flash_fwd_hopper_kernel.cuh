@@ -18,10 +18,11 @@
 //     ring to issue their matmuls (named barriers), so the tensor cores run one warpgroup's GEMMs while the
 //     others do their softmax. Each turn issues O += P_{j-1} V_{j-1} and S_j = Q K_j^T together, so one wait
 //     covers both and the softmax of S_j runs while the other warpgroups' pairs are on the tensor cores.
-//   - Intra-warpgroup overlap (FA3 paper, section 3.2; Traits::kIntraWgOverlap, two warpgroups): a turn commits S_j
-//     and then O += P_{j-1} V_{j-1} as two wgmma groups and waits for S_j alone, so the softmax of S_j (mask, m_i,
-//     exponentials, l_i) also runs while the warpgroup's own P V is on the tensor cores. O's rescale and P_j's
-//     packing into the A-operand registers, which that P V reads, wait for it.
+//   - Intra-warpgroup overlap (FA3 paper, section 3.2; Traits::kIntraWgOverlap, where acc_o, S_j and P_{j-1} fit
+//     the consumer's registers together: hopper_kernel_traits.h): a turn commits S_j and then O += P_{j-1} V_{j-1}
+//     as two wgmma groups and waits for S_j alone, so the softmax of S_j (mask, m_i, exponentials, l_i) also runs
+//     while the warpgroup's own P V is on the tensor cores. O's rescale and P_j's packing into the A-operand
+//     registers, which that P V reads, wait for it.
 //   - Persistent (fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while

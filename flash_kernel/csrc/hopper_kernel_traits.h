@@ -55,6 +55,13 @@ struct HopperFwdTraits {
     static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = (kEntryRegs * (kNWarpgroups + 1) - kProducerRegs) / kNWarpgroups / 8 * 8;
+    // kIntraWgOverlap keeps three register arrays live through the softmax of S_j: acc_o, S_j (both fp32) and P_{j-1}
+    // (16-bit pairs, the in-flight P V's A operand), 128 registers at hd64 with 128-key blocks, 208 at hd128 with 192.
+    // The rest of the consumer (m_i, l_i, O's correction factors, row limits, addresses, loop state) takes 24-30 more:
+    // the consumers use 155-156 of 160 registers at hd64 and 232-238 of 240 at hd128, without spills. With 32 for
+    // the rest, the bound admits at most those two's live arrays at their budgets (128 of 160, 208 of 240).
+    static constexpr int kOverlapLiveRegs = kHeadDim / 2 + kBlockN / 2 + kBlockN / 4;
+    static constexpr int kOverlapOtherRegs = 32;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemTileBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes;
@@ -72,9 +79,9 @@ struct HopperFwdTraits {
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
     static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
-    static_assert(!kIntraWgOverlap || kNWarpgroups == 2,
-                  "intra-warpgroup overlap needs two consumer warpgroups: P_{j-1}, S_j and acc_o live together spill "
-                  "the 160 registers that three leave each");
+    static_assert(!kIntraWgOverlap || kOverlapLiveRegs + kOverlapOtherRegs <= kConsumerRegs,
+                  "intra-warpgroup overlap: acc_o, S_j and P_{j-1} live together, plus the rest of the consumer, must "
+                  "fit its registers (three warpgroups' 160 hold hd64's 128-key blocks, not 192)");
     static_assert((kBlockN / kMmaN) % kRowMaxChains == 0, "the row max's chains take equal shares of S's n8 tiles");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
     static_assert(kConsumerRegs <= 256 && kProducerRegs + kNWarpgroups * kConsumerRegs <= kEntryRegs * (kNWarpgroups + 1),
@@ -90,11 +97,15 @@ struct HopperFwdTraits {
 // HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups,
 // intra-warpgroup overlap>:
 // The intra-warpgroup overlap is off by default; a build with -DFLASH_FWD_INTRA_WG_OVERLAP=1 (bench/device_run.sh
-// candidate) runs it at hd96 and hd128.
+// candidate) runs it at hd96 and hd128, one with -DFLASH_FWD_INTRA_WG_OVERLAP_HD64=1 at hd64.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 0
 #endif
+#ifndef FLASH_FWD_INTRA_WG_OVERLAP_HD64
+#define FLASH_FWD_INTRA_WG_OVERLAP_HD64 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
+constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -105,8 +116,9 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // 256-key blocks, causal too, since causal blocks end at Tq (fwd_tile_scheduler.h) and the short block is the
     // one with the fewest keys.
     // 1 exponential in 8 by polynomial balances the SFU against the issue slots the polynomial costs.
-    // 121 KB; 154 of the consumers' 160 registers (S of 256 keys would not fit).
-    using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3>;
+    // 121 KB; 154 of the consumers' 160 registers (S of 256 keys would not fit), 156 with the intra-warpgroup
+    // overlap, which keeps P_{j-1} beside S_j (as FA3's hd64 causal tile, 192 x 128 with P in registers).
+    using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3, kFwdIntraWgOverlapHd64>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
