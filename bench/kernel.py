@@ -525,7 +525,8 @@ def plot(results: list[dict], device: str, path: Path, inputs: str = "native") -
 # -------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                   help="default: every method, ours_candidate only with --candidate")
     p.add_argument("--hdims", nargs="+", type=int, default=HEAD_DIMS)
     p.add_argument("--seqlens", nargs="+", type=int, default=SEQLENS)
     p.add_argument("--causal", nargs="+", type=int, choices=[0, 1], default=[0, 1], help="0 non-causal, 1 causal")
@@ -544,6 +545,8 @@ def parse_args(argv=None):
     p.add_argument("--varlen", action="store_true",
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
+    if args.methods is None:
+        args.methods = [m for m in METHODS if m != "ours_candidate" or args.candidate is not None]
     args.causal = [bool(c) for c in args.causal]
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")

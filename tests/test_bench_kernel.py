@@ -106,6 +106,11 @@ def test_candidate_build_has_its_own_ratio_columns():
     assert "candidate/ours" not in bench.format_table(rows[:2], DEVICE)
 
 
+def test_default_methods_take_the_candidate_only_when_given():
+    assert "ours_candidate" not in bench.parse_args([]).methods
+    assert bench.parse_args(["--candidate", "/tmp/b/_C.so"]).methods[-1] == "ours_candidate"
+
+
 def test_candidate_method_needs_a_candidate_build(monkeypatch):
     monkeypatch.setattr(bench, "CANDIDATE", None)
     with pytest.raises(bench.BackendUnsupported, match="no --candidate build"):
