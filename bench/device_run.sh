@@ -3,8 +3,9 @@
 # own system python with torch + CUDA). Logs and result files are packed into $OUT.
 #
 #   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
-#   bash bench/device_run.sh python                # build, the GPU tests outside tests/kernel (the model, fusion,
-#                                                    # loss, training runs), one training run per attention
+#   bash bench/device_run.sh python                # build, the GPU tests of the model, fusion, loss and training
+#                                                    # runs (tests/test_*.py, tests/kernel/test_model_flash.py),
+#                                                    # one training run per attention
 #   bash bench/device_run.sh kernel [kernel.py args] # make bench-kernel, one part per (head dim, causal)
 #   bash bench/device_run.sh varlen [kernel.py --varlen args]  # document-masked / sliding-window grid, one part per
 #                                                    # head dim; run the docs and window cases as separate stages:
@@ -83,7 +84,8 @@ check)
 python)
     build_quietly
     data_quietly
-    step 420 test_python $PY -m pytest -q -m gpu -rfEs --ignore=tests/kernel tests
+    # tests/test_*.py, and of tests/kernel only the model through the kernel (training, sampling with RoPE)
+    step 420 test_python $PY -m pytest -q -m gpu -rfEs tests/test_*.py tests/kernel/test_model_flash.py
     tail -n 6 "$OUT/test_python.log"
     for attn in flash sdpa; do
         step 180 "train_$attn" $PY train.py attention=$attn trainer.max_steps=100 trainer.val_check_interval=50 \
