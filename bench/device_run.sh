@@ -14,7 +14,8 @@
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #   bash bench/device_run.sh candidate "NVCC FLAGS" test   # a second build with these nvcc flags (e.g.
 #                                                    # "-DFLASH_FWD_INTRA_WG_OVERLAP=1") in flash_kernel/_candidate:
-#                                                    # the GPU kernel tests and memcheck on it
+#                                                    # the GPU kernel tests on it (`... sanitize`: memcheck and
+#                                                    # racecheck on it)
 #   bash bench/device_run.sh candidate "NVCC FLAGS" kernel [kernel.py args]  # the same build timed in turn with
 #                                                    # the package's (and FA4 where it imports) on the same tensors
 #   bash bench/device_run.sh launchers [launchers.py args]  # >= 2 GPUs: the DDP step's profile, then per-GPU
@@ -111,8 +112,8 @@ varlen)
     done
     ;;
 candidate)
-    flags=${1:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|kernel [kernel.py args]}
-    what=${2:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|kernel [kernel.py args]}
+    flags=${1:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|sanitize|kernel [kernel.py args]}
+    what=${2:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|sanitize|kernel [kernel.py args]}
     shift 2
     build_quietly
     # Inside the tree and ignored: a warm machine keeps it between calls, and ninja rebuilds only what changed.
@@ -125,11 +126,15 @@ candidate)
         # (default 4; 0 runs them in this process) share it.
         workers=()
         if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
-        FLASH_KERNEL_EXT="$so" step 360 test_candidate $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs tests/kernel
+        FLASH_KERNEL_EXT="$so" step 420 test_candidate $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs tests/kernel
         tail -n 4 "$OUT/test_candidate.log"
-        FLASH_KERNEL_EXT="$so" step 150 memcheck_candidate compute-sanitizer --tool memcheck --error-exitcode 1 \
-            $PY -m flash_kernel.sanitize
-        grep -E "ERROR SUMMARY" "$OUT/memcheck_candidate.log" | tail -n 2
+        ;;
+    sanitize)
+        for tool in memcheck racecheck; do
+            FLASH_KERNEL_EXT="$so" step 240 "${tool}_candidate" compute-sanitizer --tool $tool --error-exitcode 1 \
+                $PY -m flash_kernel.sanitize
+            grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/${tool}_candidate.log" | tail -n 2
+        done
         ;;
     kernel)
         step 540 kernel_candidate $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 \
@@ -137,7 +142,7 @@ candidate)
         grep -E "^\||^###" "$OUT/kernel_candidate.log" | tail -n 60
         ;;
     *)
-        echo "candidate: say test or kernel after the flags" >&2
+        echo "candidate: say test, sanitize or kernel after the flags" >&2
         exit 2
         ;;
     esac
