@@ -1,5 +1,5 @@
 """Shared test fixtures: `data_cache` for CPU training runs (tests/run_overrides.py writes their overrides); `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include
-kernel headers, so no GPU and no torch is needed) and runs it."""
+kernel headers, so no GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to PTX."""
 
 import os
 import shutil
@@ -36,6 +36,25 @@ def host_check(tmp_path):
         result = subprocess.run([str(exe)], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout
         return result.stdout.splitlines()
+
+    return run
+
+
+@pytest.fixture
+def device_ptx(tmp_path):
+    """device_ptx("flash_fwd_hdim128_bf16.cu", ["NAME=1"]) -> the PTX nvcc makes of that csrc file for sm_90a (with
+    the Hopper kernels, no ptxas: seconds, not minutes), with these -D defines."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): it compiles the kernels to PTX")
+
+    def run(source: str, defines: list[str]) -> str:
+        ptx = tmp_path / f"{Path(source).stem}.{len(list(tmp_path.iterdir()))}.ptx"
+        build = subprocess.run([nvcc, "-ptx", "-std=c++17", "-O3", "-arch=compute_90a", "-DFLASH_KERNEL_SM90A",
+                                "--expt-relaxed-constexpr", *(f"-D{d}" for d in defines), f"-I{CSRC}",
+                                str(CSRC / source), "-o", str(ptx)], capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr[-3000:]
+        return ptx.read_text()
 
     return run
 
