@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int i = 0; i < kNTilesDq; ++i) {
                 const int col = dq_col0 + i * kMmaN + 2 * t;
-                if (col < kDqRow) {  // st.shared.v2 by asm: through a float2 pointer, nvcc split half of them in two
+                if (col < kDqRow) {  // 8-byte stores by asm: through a float2 pointer nvcc splits half of them in two
                     st_shared_f32x2(sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4),
                                     dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                 }

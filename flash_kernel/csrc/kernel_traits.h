@@ -160,7 +160,7 @@ struct BwdDqFirstTraits : Base {
 
 // The same backward adding dQ_i into dq_accum through shared memory: each warp writes its dQ_i tile's fp32 C
 // fragments, one m16 tile at a time, into a swizzled staging tile of its own, then reads back whole 16-byte row chunks
-// for 16-byte adds (red.global.add.v4.f32). From the C fragments, each add instruction touches 8 rows of 32 bytes, one
+// for 16-byte adds (red_add_f32x4). From the C fragments, each add instruction touches 8 rows of 32 bytes, one
 // L2 request per row: 4 x FA2's requests for the same bytes, and the adds wait on the SM's global-memory queue (ncu's
 // "lg throttle" stall). From rows, an instruction covers 4 rows of whole 128-byte lines. The staging tiles (16 x 32
 // floats per warp) take the P^T buffer where it is free, which it is only behind the barrier after dV_j += P^T dO_i

@@ -58,7 +58,7 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
     const int src_bytes = pred ? 4 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
 }
-// dst[0..1] += v in global memory, no result wanted: one 8-byte red.global.add.v2.f32 on sm_90 (CUDA's
+// dst[0..1] += v in global memory, no result wanted: one 8-byte vector red.global.add on sm_90 (CUDA's
 // atomicAdd(float2*) returns a value, and behind a laundered address the compiler keeps it an ATOM, which is
 // slower), two 4-byte adds before sm_90.
 __device__ __forceinline__ void red_add_f32x2(float* dst, float2 v) {
@@ -69,7 +69,7 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float2 v) {
     atomicAdd(dst + 1, v.y);
 #endif
 }
-// dst[0..3] += v in global memory, no result wanted: one 16-byte red.global.add.v4.f32 on sm_90, four 4-byte adds
+// dst[0..3] += v in global memory, no result wanted: one 16-byte vector red.global.add on sm_90, four 4-byte adds
 // before sm_90. dst must be 16-byte aligned.
 __device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
