@@ -367,10 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
-    kernel = kernel_label(args.kernel_label, os.environ.get(EXTENSION_ENV))
 
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     if not args.plot_only:
+        kernel = kernel_label(args.kernel_label, os.environ.get(EXTENSION_ENV))
         if not torch.cuda.is_available():
             raise SystemExit("bench/e2e.py measures GPU training; no CUDA device here (use --plot-only to redraw)")
         if max(args.gpus) > torch.cuda.device_count():

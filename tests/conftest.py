@@ -12,21 +12,22 @@ TESTS = Path(__file__).resolve().parent
 CSRC = TESTS.parent / "flash_kernel" / "csrc"
 
 
-def _nvcc() -> str | None:
+def _nvcc(purpose: str) -> str:
+    """nvcc's path; the test skips, naming `purpose`, where there is none."""
     found = shutil.which("nvcc")
     if found:
         return found
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     candidate = Path(home) / "bin" / "nvcc"
-    return str(candidate) if candidate.is_file() else None
+    if not candidate.is_file():
+        pytest.skip(f"nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): it {purpose}")
+    return str(candidate)
 
 
 @pytest.fixture
 def host_check(tmp_path):
     """host_check("name_check.cu") -> the program's stdout lines, once it built and exited 0."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): it compiles the host check")
+    nvcc = _nvcc("compiles the host check")
 
     def run(source: str) -> list[str]:
         exe = tmp_path / Path(source).stem
@@ -44,9 +45,7 @@ def host_check(tmp_path):
 def device_ptx(tmp_path):
     """device_ptx("flash_fwd_hdim128_bf16.cu", ["NAME=1"]) -> the PTX nvcc makes of that csrc file for sm_90a (with
     the Hopper kernels, no ptxas: seconds, not minutes), with these -D defines."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): it compiles the kernels to PTX")
+    nvcc = _nvcc("compiles the kernels to PTX")
 
     def run(source: str, defines: list[str]) -> str:
         ptx = tmp_path / f"{Path(source).stem}.{len(list(tmp_path.iterdir()))}.ptx"
