@@ -13,7 +13,7 @@
 #   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #   bash bench/device_run.sh candidate "NVCC FLAGS" test   # a second build with these nvcc flags (e.g.
-#                                                    # "-DFLASH_FWD_INTRA_WG_OVERLAP=1") in flash_kernel/_candidate:
+#                                                    # "-DFLASH_FWD_INTRA_WG_OVERLAP_BC128=1") in flash_kernel/_candidate:
 #                                                    # the GPU kernel tests on it (`... sanitize`: memcheck and
 #                                                    # racecheck on it)
 #   bash bench/device_run.sh candidate "NVCC FLAGS" kernel [kernel.py args]  # the same build timed in turn with

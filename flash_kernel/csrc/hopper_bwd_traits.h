@@ -10,9 +10,9 @@
 
 #include "hopper_kernel_traits.h"  // kWarpgroupThreads, kWarpgroupRows, kMaxSmemBytesSm90
 
-// Build switch for HopperBwdTraits::kDqBeforeDk (off by default; -DFLASH_BWD_DQ_BEFORE_DK=1 builds it).
+// Build switch for HopperBwdTraits::kDqBeforeDk (on by default; -DFLASH_BWD_DQ_BEFORE_DK=0 builds without it).
 #ifndef FLASH_BWD_DQ_BEFORE_DK
-#define FLASH_BWD_DQ_BEFORE_DK 0
+#define FLASH_BWD_DQ_BEFORE_DK 1
 #endif
 
 namespace flash {

@@ -96,15 +96,21 @@ struct HopperFwdTraits {
 // them, and they are slower.
 // HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups,
 // intra-warpgroup overlap>:
-// The intra-warpgroup overlap is off by default; a build with -DFLASH_FWD_INTRA_WG_OVERLAP=1 (bench/device_run.sh
-// candidate) runs it at hd96 and hd128, one with -DFLASH_FWD_INTRA_WG_OVERLAP_HD64=1 at hd64.
+// The intra-warpgroup overlap, one build switch per tile (docs/kernel_design.md, "Build switches"):
+//   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
+//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd96, hd128 below 2k keys);
+//   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
-#define FLASH_FWD_INTRA_WG_OVERLAP 0
+#define FLASH_FWD_INTRA_WG_OVERLAP 1
+#endif
+#ifndef FLASH_FWD_INTRA_WG_OVERLAP_BC128
+#define FLASH_FWD_INTRA_WG_OVERLAP_BC128 0
 #endif
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP_HD64
 #define FLASH_FWD_INTRA_WG_OVERLAP_HD64 0
 #endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
+constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
@@ -125,7 +131,7 @@ template <typename E> struct HopperFwdConfig<64, E> {
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
-    using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlap>;
+    using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
@@ -133,7 +139,7 @@ template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
-    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlap>;  // 225 KB
+    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
     static constexpr int kLongKeys = 2048;
 };
 #endif
