@@ -16,7 +16,7 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --compile both --modes pipeline
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
-    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss fused  # loss=fused rows
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss torch  # loss=torch rows
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash flex sdpa --document-mask both \
         --modes pipeline                                  # document masking beside the unmasked rows
 
@@ -254,7 +254,7 @@ def kernel_label(label: str | None, other_build: str | None) -> str:
     are their own case, never merged into the package build's."""
     if other_build and not label:
         raise SystemExit(f"{EXTENSION_ENV}={other_build} runs another build of the kernels: name it with "
-                         "--kernel-label (e.g. --kernel-label v32+intra-wg-overlap) so its rows stay apart")
+                         "--kernel-label (e.g. --kernel-label v33+overlap-bc128) so its rows stay apart")
     return label or KERNEL_VERSION
 
 
@@ -346,7 +346,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt3-1.3b", "gpt3-2.7b"])
     ap.add_argument("--seqlens", nargs="+", type=int, default=[2048, 4096, 8192])
@@ -360,13 +360,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
-    ap.add_argument("--loss", choices=LOSSES, default="torch", help="the loss key: torch or fused (model/cross_entropy.py)")
+    ap.add_argument("--loss", choices=LOSSES, default=None,
+                    help="the loss key: torch or fused (model/cross_entropy.py); default conf/train.yaml's, what "
+                         "`python train.py` runs")
     ap.add_argument("--kernel-label", default=None, metavar="NAME",
                     help="what attention=flash rows say they ran, for a build that FLASH_KERNEL_EXT names "
-                         "(e.g. v32+intra-wg-overlap); default flash_kernel.KERNEL_VERSION")
+                         "(e.g. v33+overlap-bc128); default flash_kernel.KERNEL_VERSION")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
+    args.loss = args.loss or _compose([]).loss
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     if not args.plot_only:

@@ -115,3 +115,12 @@ def test_rows_of_another_build_must_be_named_and_stay_apart():
         e2e.kernel_label(None, "/tmp/b/_C.so")
     base = dict(device="d", mode="pipeline", model="m", seq_len=8192, batch=2, attention="flash", compile=False)
     assert e2e._key(dict(base, kernel="v32")) != e2e._key(dict(base, kernel="v32+overlap"))
+
+
+def test_the_loss_defaults_to_what_train_py_runs():
+    """Rows measure the pipeline users launch: --loss defaults to conf/train.yaml's key, and --loss still picks."""
+    from omegaconf import OmegaConf
+
+    train_default = OmegaConf.load(Path(e2e.REPO) / "conf" / "train.yaml").loss
+    assert e2e.parse_args([]).loss == train_default == "fused"
+    assert e2e.parse_args(["--loss", "torch"]).loss == "torch"
