@@ -1,7 +1,7 @@
 """The kernels' build switches (docs/kernel_design.md, "Build switches") compile, and compile to what they claim.
 
-Each switch selects, with `if constexpr`, a schedule that the default build discards unchecked, so nothing else
-compiles it until a GPU build does. Here nvcc compiles the affected Hopper instantiations to PTX (no ptxas, a few
+Each switch selects, with `if constexpr`, one of two schedules, and the default build discards the other unchecked,
+so nothing else compiles it until a GPU build does. Here nvcc compiles the affected Hopper instantiations to PTX (no ptxas, a few
 seconds each) with and without the switch: with it, the source must compile, and a wgmma group must be waited for
 while another is in flight (`wgmma.wait_group.sync.aligned 1`: S_j before the warpgroup's own P V in the forward,
 dV and dQ_i before dK in the backward); without it, no such wait exists. A build that names no switch is the build
