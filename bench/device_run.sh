@@ -56,6 +56,16 @@ build_quietly() {  # the benchmark stages: the build's log only if it fails
     make PYTHON="$PY" build >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
 }
 
+train_per_attention() {  # train_per_attention <limit s> <steps> <attention...>: train.py on the default model each
+    local limit=$1 steps=$2
+    shift 2
+    for attn in "$@"; do
+        step "$limit" "train_$attn" $PY train.py attention=$attn trainer.max_steps=$steps \
+            trainer.val_check_interval=$((steps / 2)) ~callbacks.progress_bar
+        grep -E "^done:|error" "$OUT/train_$attn.log" | tail -n 2
+    done
+}
+
 data_quietly() {  # the stages that train through the real pipeline need the default data prepared
     step 300 data make PYTHON="$PY" data >/dev/null || { tail "$OUT/data.log"; exit 1; }
 }
@@ -72,11 +82,7 @@ check)
     step 240 sanitize make PYTHON="$PY" sanitize
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$OUT/sanitize.log" | tail -n 6
     # The pipeline per attention on the default model, W&B offline: the run files must carry perf/mfu.
-    for attn in flash sdpa naive; do
-        step 240 "train_$attn" $PY train.py attention=$attn trainer.max_steps=150 trainer.val_check_interval=75 \
-            ~callbacks.progress_bar
-        grep -E "^done:|error" "$OUT/train_$attn.log" | tail -n 2
-    done
+    train_per_attention 240 150 flash sdpa naive
     # Naive attention's OOM frontier must come back as advice, not a bare traceback.
     step 180 train_naive_oom $PY train.py attention=naive model=gpt3-1.3b seq_len=8192 data.batch_size=2 \
         trainer.max_steps=2 logger=none
@@ -88,11 +94,7 @@ python)
     # tests/test_*.py, and of tests/kernel only the model through the kernel (training, sampling with RoPE)
     step 420 test_python $PY -m pytest -q -m gpu -rfEs tests/test_*.py tests/kernel/test_model_flash.py
     tail -n 6 "$OUT/test_python.log"
-    for attn in flash sdpa; do
-        step 180 "train_$attn" $PY train.py attention=$attn trainer.max_steps=100 trainer.val_check_interval=50 \
-            ~callbacks.progress_bar
-        grep -E "^done:|error" "$OUT/train_$attn.log" | tail -n 2
-    done
+    train_per_attention 180 100 flash sdpa
     ;;
 kernel)
     build_quietly
@@ -138,7 +140,7 @@ candidate)
         ;;
     kernel)
         step 540 kernel_candidate $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 \
-            --rounds 3 --results bench/results/candidate.json "$@"
+            --rounds 3 --results "$OUT/candidate.json" "$@"  # a run's output: beside its logs, not in bench/results
         grep -E "^\||^###" "$OUT/kernel_candidate.log" | tail -n 60
         ;;
     *)

@@ -243,7 +243,6 @@ def clip_grad_norm_(module: torch.nn.Module, strategy: Any, max_norm: float,
             return clip_sharded_grad_norm_(module.parameters(), max_norm, root.process_group, optimizer)
         return root.clip_grad_norm_(max_norm)  # replicated or hybrid shards: FSDP knows which ranks to sum
     parameters = [p for p in module.parameters() if p.grad is not None]
-    with torch.no_grad():
-        total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
-        clip_grads_with_norm_(parameters, max_norm, total, optimizer)
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)  # both run without autograd
+    clip_grads_with_norm_(parameters, max_norm, total, optimizer)
     return total
