@@ -15,7 +15,8 @@ algorithm; skipped, with a note, when `flash_attn.cute` does not import). `--inp
           GPT's qkv projection produces and passes to either attention, and what the FA2 paper's benchmark
           gives FlashAttention. The two differ: on the H100, FA2's backward ran 0-31% faster on these, most at
           short T (docs/results.md, section 1).
-OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
+`--gqa G` gives k and v heads / G heads (grouped-query attention; the FLOPs are the same, counted per query head;
+naive does not take it). OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
 
     python bench/kernel.py                                   # everything (~10 min on an H100)
     python bench/kernel.py --hdims 128 --causal 1 --methods sdpa_flash ours   # one part
@@ -28,11 +29,14 @@ OOM is recorded as "OOM", a backend that refuses the shape as "n/a".
         --methods ours ours_candidate --rounds 5 --hdims 128 --causal 1
                                                              # another build (other nvcc flags) against the
                                                              # package's, in turn on the same tensors
+    python bench/kernel.py --candidate-overrides bwd_causal_group_heads=1 --methods ours ours_candidate --rounds 3
+                                                             # the package's build under other kernel_overrides
+                                                             # (the backward's grid order here) as ours_candidate
 
     python bench/kernel.py --varlen                          # document-masked (varlen) and sliding-window grid
     python bench/kernel.py --varlen --help                   # its own options (bench/kernel_varlen.py)
 
-Parts merge into bench/results/kernel.json (one entry per device, inputs, method, hd, causal, T, mode), so a
+Parts merge into bench/results/kernel.json (one entry per device, inputs, GQA, method, hd, causal, T, mode), so a
 benchmark can be run in pieces of a few minutes each. The figure goes to
 bench/results/kernel_<device>.png, or kernel_<device>_bthd.png for --inputs bthd (rows: fwd+bwd, fwd, bwd;
 one panel per hd x causal). --varlen writes bench/results/kernel_varlen.json and kernel_varlen_<device>.png.
@@ -74,13 +78,14 @@ LABELS = {
     "fa4": "FlashAttention-4",
     "ours": "ours (flash_kernel)",
     "ours_sm80": "ours, sm80 kernels",
-    "ours_candidate": "ours, --candidate build",
+    "ours_candidate": "ours, candidate (--candidate, --candidate-overrides)",
 }
 INPUTS = ["native", "bthd"]  # --inputs (module docstring); rows without the field are "native"
 # ours_sm80: the mma.sync kernels a Hopper GPU can also run (set_kernel_overrides); ours_candidate: the build that
 # --candidate names (`python -m flash_kernel.build --out DIR`), run through the same ops (interface.using_extension).
 OURS = ("ours", "ours_sm80", "ours_candidate")
 CANDIDATE = None  # the --candidate build's module (flash_kernel.interface.load_extension)
+CANDIDATE_OVERRIDES: dict[str, int] = {}  # --candidate-overrides: kernel_overrides for ours_candidate
 BTHD_METHODS = (*OURS, "fa4")  # the methods that take (B, T, H, D) tensors in every --inputs kind
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
@@ -132,29 +137,41 @@ def _fa4_function():
     return flash_attn_func
 
 
-def inputs_of(kind: str, method: str, batch: int, heads: int, seqlen: int, head_dim: int, dtype, device=DEVICE):
+def inputs_of(kind: str, method: str, batch: int, heads: int, seqlen: int, head_dim: int, dtype, device=DEVICE,
+              gqa: int = 1):
     """(q, k, v, do) as the method reads them, and the leaves (q, k, v storage, requires_grad) whose .grad the
-    backward fills: the same tensors unless PyTorch reads (B, H, T, D) views of (B, T, H, D) storage (bthd)."""
+    backward fills: the same tensors unless PyTorch reads (B, H, T, D) views of (B, T, H, D) storage (bthd).
+    k and v have heads / gqa heads."""
     stored_bthd = kind == "bthd" or method in BTHD_METHODS
-    shape = (batch, seqlen, heads, head_dim) if stored_bthd else (batch, heads, seqlen, head_dim)
-    leaves = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
-    do = torch.randn(shape, device=device, dtype=dtype)
+
+    def shape(h: int) -> tuple[int, ...]:
+        return (batch, seqlen, h, head_dim) if stored_bthd else (batch, h, seqlen, head_dim)
+
+    heads_qkv = (heads, heads // gqa, heads // gqa)
+    leaves = [torch.randn(shape(h), device=device, dtype=dtype, requires_grad=True) for h in heads_qkv]
+    do = torch.randn(shape(heads), device=device, dtype=dtype)
     if method in BTHD_METHODS or not stored_bthd:
         return (*leaves, do), leaves
     return tuple(x.transpose(1, 2) for x in (*leaves, do)), leaves
 
 
-def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, dtype, inputs="native"):
+def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, dtype, inputs="native",
+                gqa: int = 1):
     """The leaves (q, k, v as stored, requires_grad) and dO as o is shaped, a closure computing o, and a factory of
-    the context to run it in (a factory: sdpa_kernel's context manager is single-use). inputs: INPUTS."""
+    the context to run it in (a factory: sdpa_kernel's context manager is single-use). inputs: INPUTS; k and v have
+    heads / gqa heads."""
     import torch.nn.functional as F
 
     if inputs not in INPUTS:
         raise ValueError(f"unknown inputs {inputs!r}; choose from {INPUTS}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    if method == "ours_candidate" and CANDIDATE is None:
-        raise BackendUnsupported("no --candidate build given")
+    if method == "ours_candidate" and CANDIDATE is None and not CANDIDATE_OVERRIDES:
+        raise BackendUnsupported("no --candidate build or --candidate-overrides given")
+    if heads % gqa:
+        raise ValueError(f"--gqa {gqa} does not divide the {heads} heads")
+    if method == "naive" and gqa > 1:
+        raise BackendUnsupported("naive attention here has no grouped-query form")
     if method in OURS:
         import flash_kernel
 
@@ -162,19 +179,20 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
             raise BackendUnsupported(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
     if method == "fa4":
         fa4_attn = _fa4_function()
-    (q, k, v, do), leaves = inputs_of(inputs, method, batch, heads, seqlen, head_dim, dtype)
+    (q, k, v, do), leaves = inputs_of(inputs, method, batch, heads, seqlen, head_dim, dtype, gqa=gqa)
     context = contextlib.nullcontext
+    sdpa_gqa = {"enable_gqa": True} if gqa > 1 else {}
     if method == "naive":
         # A constant buffer, as nanoGPT registers its causal mask: built once, not timed.
         mask = torch.ones(seqlen, seqlen, device=DEVICE, dtype=torch.bool).triu(1) if causal else None
         fn = lambda: _naive(q, k, v, causal, mask)  # noqa: E731
     elif method == "sdpa":
-        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **sdpa_gqa)  # noqa: E731
     elif method.startswith("sdpa_"):
         from torch.nn.attention import sdpa_kernel
 
         context = lambda: sdpa_kernel(_sdpa_backend(method))  # noqa: E731
-        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **sdpa_gqa)  # noqa: E731
     elif method == "fa4":
         fn = lambda: fa4_attn(q, k, v, causal=causal)[0]  # noqa: E731  (out, lse) -> out
     elif method in OURS:
@@ -186,10 +204,19 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
 
             context = lambda: kernel_overrides(fwd="sm80", bwd="sm80")  # noqa: E731
         elif method == "ours_candidate":
-            from flash_kernel.interface import using_extension
-
-            context = lambda: using_extension(CANDIDATE)  # noqa: E731
+            context = _candidate_context
     return (*leaves, do), fn, context
+
+
+@contextlib.contextmanager
+def _candidate_context():
+    """ours_candidate: the --candidate build (else the package's) under --candidate-overrides (else the defaults)."""
+    from flash_kernel.interface import kernel_overrides, using_extension
+
+    # No overrides, no set_overrides call: a --candidate build from older sources may take other switches.
+    with using_extension(CANDIDATE) if CANDIDATE is not None else contextlib.nullcontext(), \
+            kernel_overrides(**CANDIDATE_OVERRIDES) if CANDIDATE_OVERRIDES else contextlib.nullcontext():
+        yield
 
 
 def kernel_names(head_dim: int) -> dict:
@@ -291,7 +318,7 @@ def _set_up(group: list[str], base0: dict, args, dtype) -> tuple[list, list[dict
         base = dict(base0, method=method)
         try:
             tensors, fn, context = make_method(method, base0["batch"], base0["heads"], base0["seqlen"], base0["hd"],
-                                               base0["causal"], dtype, args.inputs)
+                                               base0["causal"], dtype, args.inputs, args.gqa)
         except BackendUnsupported as e:
             print(f"skip {method}: {e}")
             continue
@@ -302,6 +329,8 @@ def _set_up(group: list[str], base0: dict, args, dtype) -> tuple[list, list[dict
         if method in OURS:
             with context():
                 base.update(kernel_names(base0["hd"]))
+        if method == "ours_candidate" and CANDIDATE_OVERRIDES:
+            base["candidate_overrides"] = dict(CANDIDATE_OVERRIDES)
         live.append((base, tensors, fn, context))
     return live, failed
 
@@ -357,6 +386,7 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                 base0 = {
                     "device": device, "inputs": args.inputs, "hd": head_dim, "causal": causal,
                     "seqlen": seqlen, "batch": batch, "heads": heads, "dtype": "bf16",
+                    **({"gqa": args.gqa} if args.gqa > 1 else {}),
                 }  # fmt: skip
                 # One case's methods: all alive at once with --rounds, else one after another.
                 for group in [args.methods] if args.rounds > 1 else [[m] for m in args.methods]:
@@ -387,12 +417,17 @@ def inputs_kind(row: dict) -> str:
     return row.get("inputs", "native")  # rows from before --inputs existed
 
 
+def gqa_of(row: dict) -> int:
+    return row.get("gqa", 1)  # query heads per key/value head; rows from before --gqa existed have 1
+
+
 def result_key(row: dict) -> tuple:
-    return (row["device"], inputs_kind(row), row["method"], row["hd"], bool(row["causal"]), row["seqlen"], row["mode"])
+    return (row["device"], inputs_kind(row), gqa_of(row), row["method"], row["hd"], bool(row["causal"]), row["seqlen"],
+            row["mode"])
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
-    """new replaces old entries with the same (device, inputs, method, hd, causal, T, mode); the rest is kept."""
+    """new replaces old entries with the same (device, inputs, gqa, method, hd, causal, T, mode); the rest is kept."""
     merged = {result_key(r): r for r in old}
     merged.update({result_key(r): r for r in new})
     return sorted(merged.values(), key=lambda r: (r["device"], r["hd"], r["causal"], r["mode"], r["seqlen"], METHODS.index(r["method"]) if r["method"] in METHODS else 99))
@@ -445,17 +480,22 @@ def _ratio(a: dict | None, b: dict | None) -> str:
     return f"{a['tflops'] / b['tflops']:.2f}"
 
 
-def _inputs_title(inputs: str) -> str:
-    return "" if inputs == "native" else ", every method on the same (B, T, H, D) tensors"
+def _inputs_title(inputs: str, gqa: int = 1) -> str:
+    same = "" if inputs == "native" else ", every method on the same (B, T, H, D) tensors"
+    return same + (f", {gqa} query heads per key/value head" if gqa > 1 else "")
 
 
-def format_table(results: list[dict], device: str, inputs: str = "native") -> str:
+def _rows_of(results: list[dict], device: str, inputs: str, gqa: int) -> list[dict]:
+    return [r for r in results if r["device"] == device and inputs_kind(r) == inputs and gqa_of(r) == gqa]
+
+
+def format_table(results: list[dict], device: str, inputs: str = "native", gqa: int = 1) -> str:
     """Markdown tables (TFLOP/s) per hd x causal x mode, with ours / SDPA-FLASH (FA2), ours / SDPA-default,
     ours / cuDNN and ours / FlashAttention-4 ratios."""
-    rows = [r for r in results if r["device"] == device and inputs_kind(r) == inputs]
+    rows = _rows_of(results, device, inputs, gqa)
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs)})"]
+    out = [f"## {device}: attention TFLOP/s (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs, gqa)})"]
     for mode in MODES:
         for head_dim in sorted({r["hd"] for r in rows}):
             for causal in (False, True):
@@ -478,14 +518,14 @@ def format_table(results: list[dict], device: str, inputs: str = "native") -> st
     return "\n".join(out)
 
 
-def plot(results: list[dict], device: str, path: Path, inputs: str = "native") -> Path:
+def plot(results: list[dict], device: str, path: Path, inputs: str = "native", gqa: int = 1) -> Path:
     """FA2 Figure 5 layout: grouped bars of TFLOP/s vs T per method; rows fwd+bwd / fwd / bwd, columns hd x causal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results if r["device"] == device and inputs_kind(r) == inputs]
+    rows = _rows_of(results, device, inputs, gqa)
     index = {(r["method"], r["hd"], bool(r["causal"]), r["seqlen"], r["mode"]): r for r in rows}
     modes = [m for m in ("fwd_bwd", "fwd", "bwd") if any(r["mode"] == m for r in rows)]
     panels = [(hd, c) for hd in sorted({r["hd"] for r in rows}) for c in (False, True) if any(r["hd"] == hd and bool(r["causal"]) == c for r in rows)]
@@ -518,7 +558,7 @@ def plot(results: list[dict], device: str, path: Path, inputs: str = "native") -
     from matplotlib.patches import Patch
 
     handles = [Patch(color=colors(mi), label=LABELS[m]) for mi, m in enumerate(methods)]
-    title = f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs)})"
+    title = f"Attention TFLOP/s on {device} (bf16, B*T = {TOKENS}, heads = {HIDDEN} // hd{_inputs_title(inputs, gqa)})"
     return save_figure(fig, title, handles, path)
 
 
@@ -542,30 +582,43 @@ def parse_args(argv=None):
     p.add_argument("--candidate", type=Path, default=None, metavar="SO",
                    help="another build of the extension (`python -m flash_kernel.build --out DIR` prints its file), "
                         "timed as method ours_candidate; keep its rows apart with --results")
+    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=INT",
+                   help="flash_kernel.interface.kernel_overrides for ours_candidate (integer switches such as "
+                        "bwd_causal_group_heads=1 or causal_group_heads=4): the package's build, or --candidate's, "
+                        "under them")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (k and v get heads / gqa)")
     p.add_argument("--varlen", action="store_true",
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
+    try:
+        args.candidate_overrides = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.candidate_overrides)}
+    except ValueError:
+        p.error(f"--candidate-overrides takes KEY=INT pairs, got {args.candidate_overrides}")
     if args.methods is None:
-        args.methods = [m for m in METHODS if m != "ours_candidate" or args.candidate is not None]
+        candidate = args.candidate is not None or args.candidate_overrides
+        args.methods = [m for m in METHODS if m != "ours_candidate" or candidate]
     args.causal = [bool(c) for c in args.causal]
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.gqa < 1 or any((HIDDEN // hd) % args.gqa for hd in args.hdims):
+        p.error(f"--gqa {args.gqa} must divide every head dim's {HIDDEN} // hd heads: {[HIDDEN // hd for hd in args.hdims]}")
     return args
 
 
-def report(data: dict, devices: list[str], results_path: Path, inputs: str = "native") -> None:
-    suffix = "" if inputs == "native" else f"_{inputs}"
+def report(data: dict, devices: list[str], results_path: Path, inputs: str = "native", gqa: int = 1) -> None:
+    suffix = ("" if inputs == "native" else f"_{inputs}") + (f"_gqa{gqa}" if gqa > 1 else "")
     for device in devices:
-        if not any(r["device"] == device and inputs_kind(r) == inputs for r in data["results"]):
-            print(f"\n{device}: no results with --inputs {inputs}")
+        if not _rows_of(data["results"], device, inputs, gqa):
+            print(f"\n{device}: no results with --inputs {inputs} --gqa {gqa}")
             continue
         if can_plot("bench/kernel.py"):
-            png = plot(data["results"], device, results_path.parent / f"kernel_{device_slug(device)}{suffix}.png", inputs)
+            png_path = results_path.parent / f"kernel_{device_slug(device)}{suffix}.png"
+            png = plot(data["results"], device, png_path, inputs, gqa)
             print(f"\nfigure: {png}")
         env = data.get("environment", {}).get(device, {})
         if env:
             print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
-        print(format_table(data["results"], device, inputs))
+        print(format_table(data["results"], device, inputs, gqa))
 
 
 def main(argv=None) -> int:
@@ -580,7 +633,7 @@ def main(argv=None) -> int:
         if not data["results"]:
             sys.exit(f"bench/kernel.py --plot-only: no results in {args.results}")
         devices = [args.device] if args.device else sorted({r["device"] for r in data["results"]})
-        report(data, devices, args.results, args.inputs)
+        report(data, devices, args.results, args.inputs, args.gqa)
         return 0
     if not torch.cuda.is_available():
         sys.exit(
@@ -592,13 +645,14 @@ def main(argv=None) -> int:
 
         if not flash_kernel.is_available():
             print(f"note: ours (flash_kernel) skipped: {flash_kernel.unavailable_reason()}")
-    global CANDIDATE
+    global CANDIDATE, CANDIDATE_OVERRIDES
+    CANDIDATE_OVERRIDES = args.candidate_overrides
     if args.candidate is not None:
         from flash_kernel.interface import load_extension
 
         CANDIDATE = load_extension(args.candidate)
-    elif "ours_candidate" in args.methods:
-        print("note: ours_candidate skipped: no --candidate build given")
+    elif "ours_candidate" in args.methods and not CANDIDATE_OVERRIDES:
+        print("note: ours_candidate skipped: no --candidate build or --candidate-overrides given")
     torch.manual_seed(0)
     env = environment()
     device = env["device"]
@@ -612,7 +666,7 @@ def main(argv=None) -> int:
 
     new = benchmark(args, device, save_progress)
     print(f"\n{len(new)} results merged into {args.results}")
-    report(data, [device], args.results, args.inputs)
+    report(data, [device], args.results, args.inputs, args.gqa)
     return 0
 
 

@@ -113,8 +113,36 @@ def test_default_methods_take_the_candidate_only_when_given():
 
 def test_candidate_method_needs_a_candidate_build(monkeypatch):
     monkeypatch.setattr(bench, "CANDIDATE", None)
-    with pytest.raises(bench.BackendUnsupported, match="no --candidate build"):
+    monkeypatch.setattr(bench, "CANDIDATE_OVERRIDES", {})
+    with pytest.raises(bench.BackendUnsupported, match="no --candidate build or --candidate-overrides"):
         bench.make_method("ours_candidate", 1, 1, 8, 64, True, torch.bfloat16)
+
+
+def test_candidate_overrides_make_the_candidate_method():
+    args = bench.parse_args(["--candidate-overrides", "bwd_causal_group_heads=1", "causal_group_heads=2"])
+    assert args.candidate_overrides == {"bwd_causal_group_heads": 1, "causal_group_heads": 2}
+    assert args.methods[-1] == "ours_candidate"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--candidate-overrides", "bwd_causal_group_heads"])  # not KEY=INT
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--candidate-overrides", "bwd_causal_group_heads=two"])
+
+
+def test_gqa_inputs_and_rows_stay_apart():
+    (q, k, v, do), leaves = bench.inputs_of("bthd", "sdpa", 2, 8, 16, 64, torch.float32, device="cpu", gqa=4)
+    assert q.shape == do.shape == (2, 8, 16, 64) and k.shape == v.shape == (2, 2, 16, 64)  # (B, H, T, D) views
+    assert leaves[1].shape == (2, 16, 2, 64)  # stored (B, T, Hkv, D)
+    with pytest.raises(bench.BackendUnsupported, match="no grouped-query form"):
+        bench.make_method("naive", 1, 8, 16, 64, True, torch.float32, gqa=4)
+    for bad in (["--gqa", "0"], ["--gqa", "3"]):  # 3 divides no head count of hidden 2048
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    dense, grouped = _row("ours", 400.0), dict(_row("ours", 300.0), gqa=4)
+    assert len(bench.merge([dense], [grouped])) == 2  # one key each
+    table = bench.format_table([dense, grouped], DEVICE)
+    assert "400" in table and "300" not in table
+    table = bench.format_table([dense, grouped], DEVICE, gqa=4)
+    assert "300" in table and "400" not in table and "4 query heads per key/value head" in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
