@@ -34,7 +34,8 @@ qkv projection need no copy); k/v may have fewer heads than q (GQA/MQA). Head di
 HEAD_DIM_MULTIPLE up to MAX_HEAD_DIM, forward and backward.
 
 `set_kernel_overrides` / `kernel_overrides` are the tests' and benchmarks' switches (the sm80 kernels on a Hopper
-GPU, a smaller shared-memory limit, the causal block order's groups); nothing else changes which kernel runs.
+GPU, a smaller shared-memory limit, the causal block orders' groups); nothing else changes which kernel runs or how
+its work is ordered.
 
 Another build of the extension (`python -m flash_kernel.build --out DIR`, e.g. with a kernel trait flipped) runs in
 place of flash_kernel._C when FLASH_KERNEL_EXT names its file, or for the body of `using_extension(module)` with a
@@ -165,7 +166,7 @@ KERNEL_PATHS = ("auto", "sm80")  # a pass's kernels on a Hopper GPU: sm_90a wgmm
 
 
 def set_kernel_overrides(fwd: str = "auto", bwd: str = "auto", causal_group_heads: int = 0,
-                         max_smem_per_block: int = 0) -> None:
+                         max_smem_per_block: int = 0, bwd_causal_group_heads: int = 0) -> None:
     """Switches for tests and benchmarks, for every later call in this process; called with no arguments, the
     defaults that every other caller gets.
 
@@ -174,16 +175,21 @@ def set_kernel_overrides(fwd: str = "auto", bwd: str = "auto", causal_group_head
     number of (batch, head) pairs per group of the causal forward's block order. max_smem_per_block: 0 (the
     device's) or the bytes of shared memory a thread block may have, as on a smaller GPU: the sm80 kernels then
     choose and refuse configs as there (A100: 166912, sm_86 / sm_89: 101376; the Hopper kernels ignore it, so pair
-    it with fwd = bwd = "sm80"). A bad value raises ValueError and leaves the switches as they were.
+    it with fwd = bwd = "sm80"). bwd_causal_group_heads: 0 (the default: from 2048 keys, groups sized to L2) or
+    the number of (batch, head) pairs per group of the Hopper causal backward's block order at every length (1: each
+    head's key blocks in turn, the grid's own order). A bad value raises ValueError and leaves the switches as they
+    were.
     """
     for name, path, what in (("fwd", fwd, "forward"), ("bwd", bwd, "backward")):
         if path not in KERNEL_PATHS:
             _fail(f"{name}={path} is not a {what} path; use auto (the default) or sm80")
-    if causal_group_heads < 0:
-        _fail(f"causal_group_heads={causal_group_heads} is not a positive integer (or 0: sized to L2)")
+    for name, value in (("causal_group_heads", causal_group_heads), ("bwd_causal_group_heads", bwd_causal_group_heads)):
+        if value < 0:
+            _fail(f"{name}={value} is not a positive integer (or 0: the default order)")
     if max_smem_per_block < 0:
         _fail(f"max_smem_per_block={max_smem_per_block} is not a positive number of bytes (or 0: the device's)")
-    _load_C().set_overrides(fwd == "sm80", bwd == "sm80", int(causal_group_heads), int(max_smem_per_block))
+    _load_C().set_overrides(fwd == "sm80", bwd == "sm80", int(causal_group_heads), int(max_smem_per_block),
+                            int(bwd_causal_group_heads))
 
 
 @contextlib.contextmanager

@@ -483,6 +483,7 @@ def test_model_with_flash_calls_the_packed_form(cpu_op, monkeypatch):
     ({"bwd": "sm90"}, "bwd=sm90 is not a backward path; use auto"),
     ({"causal_group_heads": -1}, "causal_group_heads=-1 is not a positive integer"),
     ({"max_smem_per_block": -1}, "max_smem_per_block=-1 is not a positive number of bytes"),
+    ({"bwd_causal_group_heads": -2}, "bwd_causal_group_heads=-2 is not a positive integer"),
 ])
 def test_kernel_overrides_are_checked_before_the_extension(overrides, match):
     """A bad switch is a ValueError naming it, raised in Python before the extension is reached (so here too)."""

@@ -6,6 +6,8 @@
 //     tile is checked, so the map is also a bijection onto the blocks that see a key;
 //   - the blocks' rows (fwd_block_rows): each query row stored by one block, causal blocks ending at Tq, and m_first
 //     the blocks whose rows see no key, at 128 and 192 rows per block.
+//   - causal_bwd_tile_coord (causal_order.h, the Hopper causal backward) against its order as loops: group by
+//     group, key block 0 first, the group's pairs in turn; groups of one pair are the grid's own order.
 #include <cstdio>
 #include <vector>
 
@@ -126,6 +128,31 @@ static void check_order(const flash::FwdParams& p) {
     }
 }
 
+// The causal backward's order over n_blocks key blocks per pair of a (n_blocks, h, b) grid, in groups of `group`.
+static void check_bwd_order(int b, int h, int n_blocks, int group) {
+    const int pairs = b * h;
+    std::vector<BlockCoord> want;
+    for (int first = 0; first < pairs; first += group) {
+        const int last = first + group < pairs ? first + group : pairs;
+        for (int block = 0; block < n_blocks; ++block) {
+            for (int pair = first; pair < last; ++pair) want.push_back({block, pair % h, pair / h});
+        }
+    }
+    const auto order = flash::causal_order<flash::PlainDiv>(n_blocks, h, pairs, group);
+    for (int tile = 0; tile < n_blocks * pairs; ++tile) {
+        const BlockCoord c = flash::causal_bwd_tile_coord(tile, order);
+        const BlockCoord w = want[tile];
+        // Groups of one pair: the grid's own order, blockIdx.x fastest.
+        const BlockCoord grid{tile % n_blocks, (tile / n_blocks) % h, tile / (n_blocks * h)};
+        CHECK(c.block == w.block && c.head == w.head && c.batch == w.batch,
+              "backward b %d h %d n_blocks %d group %d: tile %d -> (%d, %d, %d), not (%d, %d, %d)", b, h, n_blocks,
+              group, tile, c.block, c.head, c.batch, w.block, w.head, w.batch);
+        if (group == 1) {
+            CHECK(c.block == grid.block && c.head == grid.head && c.batch == grid.batch, "group 1, tile %d", tile);
+        }
+    }
+}
+
 int main() {
     check_fast_div();
     int before = g_failures;
@@ -142,6 +169,15 @@ int main() {
                         check_order<128, false>(params(b, h, h_k, tq, tk, false, 0));
                         check_order<192, false>(params(b, h, h_k, tq, tk, false, 0));
                     }
+                }
+            }
+        }
+    }
+    for (int b : {1, 2, 5}) {
+        for (int h : {1, 3, 16}) {
+            for (int n_blocks : {1, 2, 17, 64}) {
+                for (int group : {1, 2, 3, 7, 16, b * h}) {
+                    if (group <= b * h) check_bwd_order(b, h, n_blocks, group);
                 }
             }
         }

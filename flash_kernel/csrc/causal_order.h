@@ -6,9 +6,12 @@
 // makespan at B*H = 32-256 in a greedy-schedule model of 132 SMs with one block each). Ordering every block of
 // the grid longest-first removes that tail, but spreads the blocks running together over all heads, whose K and V
 // would then no longer be shared in L2; so the heads go in groups whose K and V fit kCausalGroupBytes (a third of
-// H100's L2), longest-first within each group (the model: within 2% of the ideal makespan). Both forwards use it;
-// the backward (key block j is visited by n_blocks - j query blocks) gains nothing from it and keeps the grid
-// order.
+// H100's L2), longest-first within each group (the model: within 2% of the ideal makespan). Both forwards use it.
+// The Hopper causal backward too, reversed: key block j is visited by the query blocks from the first that sees it,
+// so block 0 is the longest. In the grid's own order each head's longest block already starts first, but the last
+// wave still holds one head's blocks of every length (6-7% above the ideal makespan at B*H = 32, T = 2k-8k, in the
+// same model). Its groups are sized by the bytes of Q, dO and dq_accum that a (batch, head) pair's blocks read, and
+// it applies from kBwdCausalOrderMinKeys keys (flash_api.cpp, bwd_causal_order_group_heads says why).
 #pragma once
 
 #include <algorithm>
@@ -19,10 +22,13 @@
 namespace flash {
 
 constexpr int64_t kCausalGroupBytes = 16 << 20;
+constexpr int64_t kBwdCausalGroupBytes = 32 << 20;  // two thirds of H100's L2 (FA3's backward: 40 MB)
+constexpr int kBwdCausalOrderMinKeys = 2048;
 
-// Host: how many (batch, head) pairs form a group, given the bytes of K and V a head's blocks read.
-inline int causal_group_heads(int64_t kv_bytes_per_head, int64_t all_heads) {
-    const int64_t heads = kCausalGroupBytes / std::max<int64_t>(1, kv_bytes_per_head);
+// Host: how many (batch, head) pairs form a group, given the bytes a pair's blocks read (the forward: K and V) and
+// the bytes a group's may.
+inline int causal_group_heads(int64_t bytes_per_head, int64_t all_heads, int64_t group_bytes = kCausalGroupBytes) {
+    const int64_t heads = group_bytes / std::max<int64_t>(1, bytes_per_head);
     return static_cast<int>(std::clamp<int64_t>(heads, 1, std::max<int64_t>(1, all_heads)));
 }
 
@@ -63,17 +69,42 @@ __host__ __device__ __forceinline__ BlockCoord causal_tile_coord(uint32_t linear
     return {static_cast<int>(o.n_blocks - 1 - rank), static_cast<int>(pair - batch * o.heads.d), static_cast<int>(batch)};
 }
 
+// The (key block, head, batch) of backward tile `linear`: the same order with key block 0, each head's longest, first.
+// With groups of one pair it is the grid's own order (key block fastest, then head, then batch).
+template <typename Div>
+__host__ __device__ __forceinline__ BlockCoord causal_bwd_tile_coord(uint32_t linear, const CausalOrder<Div>& o) {
+    BlockCoord c = causal_tile_coord(linear, o);
+    c.block = static_cast<int>(o.n_blocks) - 1 - c.block;
+    return c;
+}
+
 #ifdef __CUDACC__
+__device__ __forceinline__ CausalOrder<PlainDiv> grid_causal_order(int group_heads) {
+    return causal_order<PlainDiv>(gridDim.x, gridDim.y, gridDim.y * gridDim.z, group_heads);
+}
+__device__ __forceinline__ uint32_t linear_block_index() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
 // This thread block's tile of a (n_blocks, h, b) grid, in the order above.
 __device__ __forceinline__ BlockCoord causal_block_order(int group_heads) {
-    const uint32_t linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    return causal_tile_coord(linear, causal_order<PlainDiv>(gridDim.x, gridDim.y, gridDim.y * gridDim.z, group_heads));
+    return causal_tile_coord(linear_block_index(), grid_causal_order(group_heads));
 }
 
 // A forward thread block's (query block, head, batch): the order above when causal, else the grid's own.
 template <bool kIsCausal>
 __device__ __forceinline__ BlockCoord fwd_block_coord(int group_heads) {
     if constexpr (kIsCausal) return causal_block_order(group_heads);
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+}
+
+// A backward thread block's (key block, head, batch) of a (n_blocks, heads, b) grid: causal with group_heads > 0,
+// the order above with key block 0 as each head's longest; else (and for group_heads = 0) the grid's own.
+template <bool kIsCausal>
+__device__ __forceinline__ BlockCoord bwd_block_coord(int group_heads) {
+    if constexpr (kIsCausal) {
+        if (group_heads > 0) return causal_bwd_tile_coord(linear_block_index(), grid_causal_order(group_heads));
+    }
     return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
 }
 #endif

@@ -37,6 +37,7 @@
 #include <climits>
 #include <cmath>
 
+#include "causal_order.h"
 #include "flash_bwd_common.cuh"
 #include "hopper_bwd_traits.h"
 #include "hopper_seqlen.h"
@@ -89,7 +90,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t full_kv = sdQ_addr + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
-    const int n_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+    // Causal: from 2048 keys, longest key blocks first, (batch, head) pairs in L2-sized groups (causal_order.h).
+    const BlockCoord coord = bwd_block_coord<kIsCausal>(params.bwd_causal_group);
+    const int n_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / kWarpgroupThreads, 0);  // warp-uniform: descriptors in uniform registers
     const int lane = tid % kWarpSize;

@@ -96,6 +96,10 @@ struct BwdParams : public FwdParams {
     // the convert kernel then sums the splits in index order.
     int num_splits;
     bool deterministic;
+
+    // Hopper causal kernel (flash_bwd_hopper_kernel.cuh): (batch, head) pairs per group of its block order
+    // (causal_order.h, bwd_block_coord), or 0 for the grid's own order.
+    int bwd_causal_group;
 };
 
 // varlen dq_accum rows: each sequence starts on a multiple of kDqAccumRowPad (a multiple of every kernel's kBlockM)

@@ -261,6 +261,28 @@ def test_causal_block_order_group_override_is_checked(overrides):
         overrides(causal_group_heads=-1)
 
 
+# The Hopper causal backward's blocks run in that order too, key block 0 (each head's longest) first (bwd_block_coord):
+# groups of 1 (the grid's own order), 3 (the last one short) and 4 (whole) over the grid's (batch, head) pairs, or
+# the default (0: the grid's order below 2048 keys, groups sized to L2 from there; the last case). dk and dv are
+# NaN-poisoned, so a key block never run shows.
+@pytest.mark.parametrize("group", [0, 1, 3, 4])
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_hopper_causal_backward_block_order(overrides, D, group):
+    _skip_unless_sm90()
+    overrides(bwd_causal_group_heads=group)
+    B, H = (3, 4) if group == 4 else (2, 5)
+    run_case(B, 385, 385, H, 1, D, torch.bfloat16, causal=True)
+    run_case(B, 200, 461, H, H, D, torch.float16, causal=True)  # Tq < Tk: bottom-right aligned
+    run_case(B, 461, 200, H, H, D, torch.bfloat16, causal=True)  # Tq > Tk: the first rows see no key
+    if group == 0:
+        run_case(1, 2100, 2100, 6, 2, D, torch.bfloat16, causal=True)
+
+
+def test_hopper_backward_order_override_is_checked(overrides):
+    with pytest.raises(ValueError, match="bwd_causal_group_heads=-1 is not a positive integer"):
+        overrides(bwd_causal_group_heads=-1)
+
+
 # ----------------------------------------------------------------- GPUs with less shared memory per block
 # set_kernel_overrides(max_smem_per_block=N) makes this GPU choose and check the sm80 kernels as one whose thread blocks get
 # that many bytes would (flash_api.cpp, set_smem_limits). A100, 163 KiB: the hd128 backward runs its one-dO-stage
