@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 RUN_ARGS = $(shell $(PYTHON) -m recipe.default_run)
 
 .DEFAULT_GOAL := help
-.PHONY: help install build data train sample test test-gpu sanitize bench-kernel bench-e2e clean distclean
+.PHONY: help install build data train sample test test-gpu sanitize bench-kernel bench-e2e baseline clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  %-13s %s\n", $$1, $$2}'
@@ -69,8 +69,15 @@ bench-kernel: install build ## FA2 Figure-5 style kernel TFLOP/s vs SDPA backend
 bench-e2e: install build ## end-to-end GPT throughput/MFU through the real pipeline (ARGS to filter)
 	$(PYTHON) bench/e2e.py $(ARGS)
 
+BASELINE_DIR ?= .baseline
+baseline: ## REV=<commit>: that commit's flash_kernel/ in .baseline/, a build to time against (bench/device_run.sh)
+	@test -n "$(REV)" || { echo "make baseline: name the commit, e.g. make baseline REV=HEAD~1"; exit 1; }
+	rm -rf $(BASELINE_DIR) && mkdir -p $(BASELINE_DIR)
+	git archive $(REV) flash_kernel | tar -x -C $(BASELINE_DIR)
+	@echo "make baseline: $(BASELINE_DIR)/flash_kernel is $$(git rev-parse --short $(REV))'s"
+
 clean: ## remove build outputs (keeps .venv and the data cache)
-	rm -rf flash_kernel/_build flash_kernel/_candidate flash_kernel/_C*.so build *.egg-info .pytest_cache
+	rm -rf flash_kernel/_build flash_kernel/_candidate flash_kernel/_C*.so build *.egg-info .pytest_cache .baseline
 	find . -path ./$(VENV) -prune -o -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean ## also remove .venv, data caches and run directories

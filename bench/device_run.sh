@@ -18,6 +18,10 @@
 #                                                    # racecheck on it)
 #   bash bench/device_run.sh candidate "NVCC FLAGS" kernel [kernel.py args]  # the same build timed in turn with
 #                                                    # the package's (and FA4 where it imports) on the same tensors
+#   CANDIDATE_SRC=.baseline bash bench/device_run.sh candidate "" kernel ...  # the candidate built from another
+#                                                    # tree's flash_kernel/ instead: `make baseline REV=<commit>`
+#                                                    # puts a commit's in .baseline/ (ignored: carry it), so the
+#                                                    # version before a change is timed beside it in one run
 #   bash bench/device_run.sh launchers [launchers.py args]  # >= 2 GPUs: the DDP step's profile, then per-GPU
 #                                                    # throughput per launch (e.g. --cases gpt3-1.3b:8192:2
 #                                                    # --launches 1gpu python ddp_sm_carveout_4)
@@ -32,6 +36,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
 stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|e2e|multi|launchers [args]}
 shift
 
@@ -114,14 +119,16 @@ varlen)
     done
     ;;
 candidate)
-    flags=${1:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|sanitize|kernel [kernel.py args]}
+    flags=${1?usage: bench/device_run.sh candidate "NVCC FLAGS" test|sanitize|kernel [kernel.py args]}  # may be ""
     what=${2:?usage: bench/device_run.sh candidate "NVCC FLAGS" test|sanitize|kernel [kernel.py args]}
     shift 2
     build_quietly
     # Inside the tree and ignored: a warm machine keeps it between calls, and ninja rebuilds only what changed.
-    dir=flash_kernel/_candidate
-    FLASH_KERNEL_NVCC_EXTRA="$flags" step 300 build_candidate $PY -m flash_kernel.build --out "$dir" || exit 1
-    so=$(ls "$PWD/$dir"/_C*.so)
+    dir=$PWD/flash_kernel/_candidate
+    # CANDIDATE_SRC: the tree whose flash_kernel/ (sources and build script) the candidate is built from.
+    (cd "${CANDIDATE_SRC:-.}" && FLASH_KERNEL_NVCC_EXTRA="$flags" step 300 build_candidate $PY -m flash_kernel.build --out "$dir") \
+        || exit 1
+    so=$(ls "$dir"/_C*.so)
     case "$what" in
     test)
         # pytest-xdist, where installed: the small cases leave one GPU mostly idle, so TEST_WORKERS processes

@@ -58,6 +58,26 @@ def test_make_clean_keeps_the_venv(tmp_path):
 
 
 @pytest.mark.slow
+def test_make_baseline_exports_a_commits_kernel_sources(tmp_path):
+    """`make baseline REV=...` puts that commit's flash_kernel/ (what bench/device_run.sh's candidate stage builds with
+    CANDIDATE_SRC) in BASELINE_DIR; without REV it says what to pass and writes nothing."""
+    if shutil.which("make") is None or shutil.which("git") is None:
+        pytest.skip("make and git are needed")
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "baseline"
+    make = ["make", "-C", str(REPO), "baseline"]
+    proc = subprocess.run([*make, "REV=HEAD", f"BASELINE_DIR={out}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    committed = subprocess.run(["git", "show", "HEAD:flash_kernel/csrc/flash_api.cpp"], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout
+    assert (out / "flash_kernel" / "csrc" / "flash_api.cpp").read_text() == committed
+    assert (out / "flash_kernel" / "build.py").exists()
+    proc = subprocess.run([*make, f"BASELINE_DIR={tmp_path / 'none'}"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "name the commit" in proc.stdout + proc.stderr
+    assert not (tmp_path / "none").exists()
+
+
 def test_a_first_cpu_run_prints_what_helps_and_nothing_else(data_cache, tmp_path):
     """`python train.py experiment=cpu_tiny` with the default W&B logger, no API key, no network setting: the
     first lines say the launch and the global batch, one line says where the offline W&B run is and how to
