@@ -1,17 +1,19 @@
 // The order in which the thread blocks of a causal forward grid run: longest first, heads in L2-sized groups.
 //
-// The hardware starts thread blocks in linear blockIdx order as SMs free up. In a causal forward, query
-// block i visits i + 1 key blocks, so however each head's blocks are ordered, the last wave holds one head's
-// blocks of every length, and the SMs that finish their short ones idle while the long ones run (5-8% of the
-// makespan at B*H = 32-256 in a greedy-schedule model of 132 SMs with one block each). Ordering every block of
-// the grid longest-first removes that tail, but spreads the blocks running together over all heads, whose K and V
-// would then no longer be shared in L2; so the heads go in groups whose K and V fit kCausalGroupBytes (a third of
-// H100's L2), longest-first within each group (the model: within 2% of the ideal makespan). Both forwards use it.
+// The hardware starts thread blocks in linear blockIdx order as SMs free up. In a causal forward, query block i
+// visits i + 1 key blocks, so however each head's blocks are ordered, the last wave holds one head's blocks of every
+// length, and the SMs that finish their short ones idle while the long ones run: 3-8% of the makespan at the FA2
+// grid's B*H = 16-512 in a greedy-schedule model of 132 SMs with one block each (bench/block_order_model.py prints
+// it). Ordering every block of the grid longest-first removes that tail, but spreads the blocks running together
+// over all heads, whose K and V would then no longer be shared in L2; so the heads go in groups whose K and V fit
+// kCausalGroupBytes (a third of H100's L2), longest-first within each group (the model: within 2% of the ideal
+// makespan). Both forwards use it.
 // The Hopper causal backward too, reversed: key block j is visited by the query blocks from the first that sees it,
 // so block 0 is the longest. In the grid's own order each head's longest block already starts first, but the last
-// wave still holds one head's blocks of every length (6-7% above the ideal makespan at B*H = 32, T = 2k-8k, in the
-// same model). Its groups are sized by the bytes of Q, dO and dq_accum that a (batch, head) pair's blocks read, and
-// it applies from kBwdCausalOrderMinKeys keys (flash_api.cpp, bwd_causal_order_group_heads says why).
+// wave still holds one head's blocks of every length (in the same model 5.8-7.1% above the ideal makespan at hd128
+// and 2.8-3.5% at hd64, T = 1k-8k). Its groups are sized by the bytes of Q, dO and dq_accum that a (batch, head)
+// pair's blocks read, and it applies from kBwdCausalOrderMinKeys keys (flash_api.cpp's bwd_causal_order_group_heads
+// says why).
 #pragma once
 
 #include <algorithm>
