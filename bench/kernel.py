@@ -85,7 +85,7 @@ INPUTS = ["native", "bthd"]  # --inputs (module docstring); rows without the fie
 # --candidate names (`python -m flash_kernel.build --out DIR`), run through the same ops (interface.using_extension).
 OURS = ("ours", "ours_sm80", "ours_candidate")
 CANDIDATE = None  # the --candidate build's module (flash_kernel.interface.load_extension)
-CANDIDATE_OVERRIDES: dict[str, int] = {}  # --candidate-overrides: kernel_overrides for ours_candidate
+CANDIDATE_OVERRIDES: dict[str, int | str] = {}  # --candidate-overrides: kernel_overrides for ours_candidate
 BTHD_METHODS = (*OURS, "fa4")  # the methods that take (B, T, H, D) tensors in every --inputs kind
 MODE_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 BWD_FLOPS_RATIO = 2.5  # FA2 paper: the backward does 2.5x the forward's matmul FLOPs
@@ -582,18 +582,14 @@ def parse_args(argv=None):
     p.add_argument("--candidate", type=Path, default=None, metavar="SO",
                    help="another build of the extension (`python -m flash_kernel.build --out DIR` prints its file), "
                         "timed as method ours_candidate; keep its rows apart with --results")
-    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=INT",
-                   help="flash_kernel.interface.kernel_overrides for ours_candidate (integer switches such as "
-                        "bwd_causal_group_heads=1 or causal_group_heads=4): the package's build, or --candidate's, "
-                        "under them")
+    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="flash_kernel.interface.kernel_overrides for ours_candidate (e.g. bwd_causal_group_heads=1, "
+                        "causal_group_heads=4, bwd=sm80): the package's build, or --candidate's, under them")
     p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (k and v get heads / gqa)")
     p.add_argument("--varlen", action="store_true",
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
-    try:
-        args.candidate_overrides = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.candidate_overrides)}
-    except ValueError:
-        p.error(f"--candidate-overrides takes KEY=INT pairs, got {args.candidate_overrides}")
+    args.candidate_overrides = _parse_overrides(p, args.candidate_overrides)
     if args.methods is None:
         candidate = args.candidate is not None or args.candidate_overrides
         args.methods = [m for m in METHODS if m != "ours_candidate" or candidate]
@@ -603,6 +599,24 @@ def parse_args(argv=None):
     if args.gqa < 1 or any((HIDDEN // hd) % args.gqa for hd in args.hdims):
         p.error(f"--gqa {args.gqa} must divide every head dim's {HIDDEN} // hd heads: {[HIDDEN // hd for hd in args.hdims]}")
     return args
+
+
+def _parse_overrides(p: argparse.ArgumentParser, pairs: list[str]) -> dict[str, int | str]:
+    """KEY=VALUE pairs -> set_kernel_overrides' keyword arguments (integers where the value is one); an unknown switch
+    or a pair without '=' is a usage error naming the switches there are."""
+    import inspect
+
+    from flash_kernel.interface import set_kernel_overrides
+
+    known = list(inspect.signature(set_kernel_overrides).parameters)
+    overrides: dict[str, int | str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in known:
+            p.error(f"--candidate-overrides takes KEY=VALUE pairs of set_kernel_overrides' switches ({', '.join(known)}), "
+                    f"got {pair!r}")
+        overrides[key] = int(value) if value.lstrip("-").isdigit() else value
+    return overrides
 
 
 def report(data: dict, devices: list[str], results_path: Path, inputs: str = "native", gqa: int = 1) -> None:
