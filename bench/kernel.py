@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import math
 import os
@@ -604,8 +605,6 @@ def parse_args(argv=None):
 def _parse_overrides(p: argparse.ArgumentParser, pairs: list[str]) -> dict[str, int | str]:
     """KEY=VALUE pairs -> set_kernel_overrides' keyword arguments (integers where the value is one); an unknown switch
     or a pair without '=' is a usage error naming the switches there are."""
-    import inspect
-
     from flash_kernel.interface import set_kernel_overrides
 
     known = list(inspect.signature(set_kernel_overrides).parameters)

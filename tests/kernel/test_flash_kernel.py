@@ -243,6 +243,16 @@ def test_persistent_forward_many_tiles(D, causal, seqlen_q, seqlen_k):
     run_case(2, seqlen_q, seqlen_k, 40, 8, D, torch.bfloat16, causal)
 
 
+def run_block_order_cases(D, group, tq_over_tk=False):
+    """The causal block-order tests' cases: groups of 4 over 3 x 4 (batch, head) pairs (whole), any other over 2 x 5
+    (groups of 3: the last one short), with Tq = Tk, Tq < Tk and, with tq_over_tk, Tq > Tk."""
+    B, H = (3, 4) if group == 4 else (2, 5)
+    run_case(B, 385, 385, H, 1, D, torch.bfloat16, causal=True)
+    run_case(B, 200, 461, H, H, D, torch.float16, causal=True)  # Tq < Tk: bottom-right aligned
+    if tq_over_tk:
+        run_case(B, 461, 200, H, H, D, torch.bfloat16, causal=True)  # Tq > Tk: the first rows see no key
+
+
 # Causal forward grids run in an order of their own (causal_order.h): groups of (batch, head) pairs, longest
 # block first. Short shapes make one group of every pair; these force groups of 1, of 3 over 2 x 5 pairs (the
 # last one short) and of 4 over 3 x 4 (whole): every query block written once (o is NaN-poisoned).
@@ -251,9 +261,7 @@ def test_persistent_forward_many_tiles(D, causal, seqlen_q, seqlen_k):
 @pytest.mark.parametrize("sm80", [False, True], ids=["default", "sm80"])
 def test_causal_block_order_groups(overrides, sm80, D, group):
     overrides(causal_group_heads=group, **({"fwd": "sm80", "bwd": "sm80"} if sm80 else {}))
-    B, H = (3, 4) if group == 4 else (2, 5)
-    run_case(B, 385, 385, H, 1, D, torch.bfloat16, causal=True)
-    run_case(B, 200, 461, H, H, D, torch.float16, causal=True)  # Tq < Tk: bottom-right aligned
+    run_block_order_cases(D, group)
 
 
 def test_causal_block_order_group_override_is_checked(overrides):
@@ -270,17 +278,9 @@ def test_causal_block_order_group_override_is_checked(overrides):
 def test_hopper_causal_backward_block_order(overrides, D, group):
     _skip_unless_sm90()
     overrides(bwd_causal_group_heads=group)
-    B, H = (3, 4) if group == 4 else (2, 5)
-    run_case(B, 385, 385, H, 1, D, torch.bfloat16, causal=True)
-    run_case(B, 200, 461, H, H, D, torch.float16, causal=True)  # Tq < Tk: bottom-right aligned
-    run_case(B, 461, 200, H, H, D, torch.bfloat16, causal=True)  # Tq > Tk: the first rows see no key
+    run_block_order_cases(D, group, tq_over_tk=True)
     if group == 0:
         run_case(1, 2100, 2100, 6, 2, D, torch.bfloat16, causal=True)
-
-
-def test_hopper_backward_order_override_is_checked(overrides):
-    with pytest.raises(ValueError, match="bwd_causal_group_heads=-1 is not a positive integer"):
-        overrides(bwd_causal_group_heads=-1)
 
 
 # ----------------------------------------------------------------- GPUs with less shared memory per block
