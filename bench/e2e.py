@@ -6,13 +6,14 @@ steps; a bare PyTorch loop (same GPT, same batch shape, same fused AdamW, bf16 a
 no Lightning, no data loader) runs beside it so the table shows what the pipeline costs.
 
 Protocol: a fixed number of tokens per GPU step, 16k by default (batch = 16384 // seq_len, as the FA2 paper),
-bf16. GPT3-2.7B does not fit 16k tokens per step on an 80 GB GPU (weights, grads and AdamW state alone are
-43 GB): run it with `--tokens-per-step 8192`.
+bf16. GPT3-2.7B does not fit 16k tokens in one forward on an 80 GB GPU (weights, grads and AdamW state alone are
+43 GB): run it with `--micro-batch 1`, which keeps the 16k tokens per optimizer step as micro-batches of one
+sequence with their gradients accumulated (global_batch_tokens, recipe/batch.py), or with `--tokens-per-step 8192`.
 FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, not hidden.
 
     python bench/e2e.py                                   # everything (long: run by parts)
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions sdpa flash --compile both
-    python bench/e2e.py --models gpt3-2.7b --tokens-per-step 8192
+    python bench/e2e.py --models gpt3-2.7b --seqlens 8192 --micro-batch 1   # 2 micro-batches per step
     python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --compile both --modes pipeline
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
@@ -62,8 +63,13 @@ FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7
 
 
 def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int,
-               trainer: str = "gpu", loss: str = "torch", document_mask: bool = False) -> list[str]:
+               trainer: str = "gpu", loss: str = "torch", document_mask: bool = False, accumulation: int = 1,
+               gpus: int = 1) -> list[str]:
+    """train.py's overrides for one case: `batch` sequences per forward, `accumulation` forwards per optimizer step
+    on each of `gpus` GPUs (global_batch_tokens holds the product; recipe/batch.py derives the accumulation)."""
+    held = [f"global_batch_tokens={batch * seq_len * accumulation * gpus}"] if accumulation > 1 else []
     return [
+        *held,
         f"data.document_mask={str(document_mask).lower()}",
         f"model={model}",
         f"loss={loss}",
@@ -94,17 +100,29 @@ def _model_config(model: str, attention: str, seq_len: int = 1024) -> dict:
     return dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}"]).model)
 
 
+def batch_and_accumulation(tokens_per_step: int, seq_len: int, micro_batch: int | None) -> tuple[int, int]:
+    """(sequences per forward, forwards per optimizer step) for `tokens_per_step` tokens of `seq_len` each: one forward
+    of all of them, or micro-batches of `micro_batch` sequences."""
+    batch = max(1, tokens_per_step // seq_len)
+    if micro_batch is None:
+        return batch, 1
+    if micro_batch < 1 or tokens_per_step % (micro_batch * seq_len):
+        raise SystemExit(f"--micro-batch {micro_batch} at T = {seq_len}: --tokens-per-step {tokens_per_step} must be a "
+                         f"whole number of micro-batches of {micro_batch} × {seq_len} tokens")
+    return micro_batch, tokens_per_step // (micro_batch * seq_len)
+
+
 def _check_steps(warmup: int, steps: int) -> None:
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup (the perf callback logs every --warmup steps)")
 
 
 def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-                 loss: str = "torch", document_mask: bool = False) -> dict:
+                 loss: str = "torch", document_mask: bool = False, accumulation: int = 1) -> dict:
     """The real pipeline on one GPU, in this process; returns the perf/* rates over the last `steps` steps."""
     _check_steps(warmup, steps)
     cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, loss=loss,
-                                document_mask=document_mask),
+                                document_mask=document_mask, accumulation=accumulation),
                     f"output_dir={RESULTS / 'runs'}"])
     cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
     return rates(train(cfg))
@@ -126,22 +144,25 @@ def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> d
 
 
 def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-                       gpus: int, strategy: str, loss: str = "torch", document_mask: bool = False) -> dict:
+                       gpus: int, strategy: str, loss: str = "torch", document_mask: bool = False,
+                       accumulation: int = 1) -> dict:
     """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml."""
     _check_steps(warmup, steps)
-    run_dir = RESULTS / "runs" / (f"{model}_{batch}x{seq_len}_{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
+    run_dir = RESULTS / "runs" / (f"{model}_{batch}x{seq_len}{f'x{accumulation}acc' if accumulation > 1 else ''}_"
+                                  f"{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
                                   f"{'_fused_loss' if loss == 'fused' else ''}{'_docmask' if document_mask else ''}")
     overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy,
-                             loss=loss, document_mask=document_mask),
+                             loss=loss, document_mask=document_mask, accumulation=accumulation, gpus=gpus),
                  f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
     return rates(launch_train(overrides, run_dir))
 
 
 def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
-              wrap=None, **model_overrides):
+              wrap=None, accumulation: int = 1, **model_overrides):
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
-    with the model when compile and loss=torch, as LitGPT), fused AdamW, the pipeline's clipping (applied by the
-    fused step, model/distributed.py clip_grads_with_norm_). Returns (step, GPTConfig);
+    with the model when compile and loss=torch, as LitGPT), `accumulation` forwards and backwards of `batch`
+    sequences each (the loss scaled by 1 / accumulation, as Lightning scales it), fused AdamW, the pipeline's
+    clipping (applied by the fused step, model/distributed.py clip_grads_with_norm_). Returns (step, GPTConfig);
     model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
@@ -157,9 +178,10 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
     inp, tgt = x[:, :-1], x[:, 1:]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
-            value = loss_fn(forward(inp), tgt, loss)
-        value.backward()
+        for _ in range(accumulation):  # one batch of random tokens: the kernels' time does not depend on them
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
+                value = loss_fn(forward(inp), tgt, loss)
+            (value / accumulation if accumulation > 1 else value).backward()
         clip_grad_norm_(gpt, None, 1.0, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -168,12 +190,12 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
 
 
 def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             loss: str = "torch") -> dict:
+             loss: str = "torch", accumulation: int = 1) -> dict:
     """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
-    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss)
+    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss, accumulation=accumulation)
     torch.cuda.reset_peak_memory_stats()
     dt = seconds_per_call(step, warmup, steps)
-    tokens_per_s = batch * seq_len / dt
+    tokens_per_s = batch * seq_len * accumulation / dt
     flops = flops_per_token(cfg, seq_len) * tokens_per_s
     peak = peak_flops(torch.cuda.get_device_name(), torch.bfloat16)
     return {
@@ -192,15 +214,17 @@ def _free_cuda() -> None:
 
 
 def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             gpus: int = 1, strategy: str = "single", loss: str = "torch", document_mask: bool = False) -> dict:
+             gpus: int = 1, strategy: str = "single", loss: str = "torch", document_mask: bool = False,
+             accumulation: int = 1) -> dict:
     try:
         if gpus > 1:
             out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
-                                     document_mask)
+                                     document_mask, accumulation)
         elif mode == "pipeline":
-            out = run_pipeline(model, seq_len, batch, attention, compile, warmup, steps, loss, document_mask)
+            out = run_pipeline(model, seq_len, batch, attention, compile, warmup, steps, loss, document_mask,
+                               accumulation)
         else:
-            out = run_bare(model, seq_len, batch, attention, compile, warmup, steps, loss)
+            out = run_bare(model, seq_len, batch, attention, compile, warmup, steps, loss, accumulation)
         out["status"] = "ok"
     except (torch.OutOfMemoryError, TrainingOutOfMemory):
         out = {"status": "OOM"}
@@ -232,6 +256,15 @@ def _attention(r: dict) -> str:
     return f"{name}, fused loss" if r.get("loss") == "fused" else name
 
 
+def _accumulation(r: dict) -> int:
+    return r.get("accumulation", 1)  # forwards per optimizer step; rows from before --micro-batch: one
+
+
+def _batch(batch: int, accumulation: int) -> str:
+    """The batch column: 'B', or 'B × K acc.' for K micro-batches of B sequences accumulated per optimizer step."""
+    return f"{batch}" if accumulation == 1 else f"{batch} × {accumulation} acc."
+
+
 def _masking(r: dict) -> str:
     """The attention word of a row and whether it masked documents (one bar each in the figure)."""
     return f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
@@ -259,12 +292,14 @@ def kernel_label(label: str | None, other_build: str | None) -> str:
 
 
 def _key(r: dict) -> tuple:
-    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], _attention(r), r["compile"], *_gpus(r))
+    return (r["device"], r["mode"], r["model"], r["seq_len"], r["batch"], _accumulation(r), _attention(r),
+            r["compile"], *_gpus(r))
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
     return merge_file(path, new, _key, order=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"],
-                                                        _attention(r), r["compile"], _gpus(r), r["mode"]))
+                                                        _accumulation(r), _attention(r), r["compile"], _gpus(r),
+                                                        r["mode"]))
 
 
 def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str:
@@ -280,16 +315,16 @@ def table(rows: list[dict]) -> str:
     """Markdown: one line per (device, model, T, batch, attention, compile, GPUs); pipeline vs bare loop
     side by side (one GPU), and per-GPU tokens/s against the one-GPU pipeline (several GPUs)."""
     by_key = {_key(r): r for r in rows}
-    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], k[4], k[5], k[6]))
+    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], *k[4:8]))
     lines = [
         "| device | model | T | batch/GPU | attention | compile | GPUs | tokens/s/GPU | TFLOP/s/GPU | MFU % | peak GiB "
         "| bare tokens/s | pipeline / bare | per GPU / 1 GPU | FA2 paper 8×A100 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for dev, model, T, B, attn, comp, gpus, strategy in cases:
-        p = by_key.get((dev, "pipeline", model, T, B, attn, comp, gpus, strategy))
-        b = by_key.get((dev, "bare", model, T, B, attn, comp, gpus, strategy))
-        one = by_key.get((dev, "pipeline", model, T, B, attn, comp, 1, "single"))
+    for dev, model, T, B, K, attn, comp, gpus, strategy in cases:
+        p = by_key.get((dev, "pipeline", model, T, B, K, attn, comp, gpus, strategy))
+        b = by_key.get((dev, "bare", model, T, B, K, attn, comp, gpus, strategy))
+        one = by_key.get((dev, "pipeline", model, T, B, K, attn, comp, 1, "single"))
         ratio = scaling = "–"
         # Only a pair measured by one invocation: a pipeline row re-measured later is not compared with an
         # older bare loop (rows written before the "run" field have none, and pair as they were measured).
@@ -299,7 +334,7 @@ def table(rows: list[dict]) -> str:
             scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn.startswith("flash") else "–"
         lines.append(
-            f"| {dev} | {model} | {T} | {B} | {attn} | {'yes' if comp else 'no'} | {gpus if gpus == 1 else f'{gpus} {strategy}'} | "
+            f"| {dev} | {model} | {T} | {_batch(B, K)} | {attn} | {'yes' if comp else 'no'} | {gpus if gpus == 1 else f'{gpus} {strategy}'} | "
             f"{_fmt(p, 'tokens_per_s')} | {_fmt(p, 'tflops_per_gpu', 1, 1)} | {_fmt(p, 'mfu', 100, 1)} | "
             f"{_fmt(p, 'peak_mem_gib', 1, 1)} | {_fmt(b, 'tokens_per_s')} | {ratio} | {scaling} | {paper} |"
         )
@@ -315,9 +350,10 @@ def plot(rows: list[dict], path: Path) -> None:
     # One bar per attention word and case: its latest row (the table keeps every kernel version and residual
     # dtype; a bar for each made the figure too wide to read). Rows from before the "run" field sort first.
     pipe = sorted((r for r in rows if r["mode"] == "pipeline"), key=lambda r: r.get("run") or "")
-    groups = sorted({(r["model"], r["seq_len"], r["batch"]) for r in pipe})
-    by_case = {(r["model"], r["seq_len"], r["batch"], _masking(r), r["compile"], *_gpus(r)): r for r in pipe}
-    variants = sorted({case[3:] for case in by_case})
+    groups = sorted({(r["model"], r["seq_len"], r["batch"], _accumulation(r)) for r in pipe})
+    by_case = {(r["model"], r["seq_len"], r["batch"], _accumulation(r), _masking(r), r["compile"], *_gpus(r)): r
+               for r in pipe}
+    variants = sorted({case[4:] for case in by_case})
     if not groups:
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(variants)) / 2), 4.5))
@@ -325,8 +361,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for i, variant in enumerate(variants):
         attn, comp, gpus, strategy = variant
         xs, ys, labels = [], [], []
-        for g, (model, T, B) in enumerate(groups):
-            r = by_case.get((model, T, B, *variant))
+        for g, group in enumerate(groups):
+            r = by_case.get((*group, *variant))
             if r is None:
                 continue
             xs.append(g + i * width)
@@ -336,7 +372,7 @@ def plot(rows: list[dict], path: Path) -> None:
         bars = ax.bar(xs, ys, width, label=label)
         for bar, lab in zip(bars, labels):
             ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{m}\n{B}×{T}" for m, T, B in groups])
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{m}\n{_batch(B, K)}×{T}" for m, T, B, K in groups])
     ax.set_ylabel("TFLOP/s per GPU (6N + 12LdT)")
     devices = ", ".join(sorted({r["device"] for r in pipe}))
     ax.set_title(f"End-to-end GPT training step (batch × T), bf16, latest run per case — {devices}")
@@ -355,6 +391,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--document-mask", choices=list(CHOICES), default="no",
                     help="data.document_mask: attention within each document (pipeline rows only)")
     ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="tokens per GPU step: batch = this // T")
+    ap.add_argument("--micro-batch", type=int, default=None, metavar="B",
+                    help="sequences per forward: the --tokens-per-step of each optimizer step come as micro-batches "
+                         "of B sequences with their gradients accumulated; default all in one forward")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
     ap.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts to run (N > 1: train.py with --strategy)")
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
@@ -370,6 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
     args.loss = args.loss or _compose([]).loss
+    args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
     return args
 
 
@@ -393,19 +433,20 @@ def main(argv: list[str] | None = None) -> None:
         cases = itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus, masks)
         for model, T, attn, comp, gpus, docs in cases:
             strategy = args.strategy if gpus > 1 else "single"
-            B = max(1, args.tokens_per_step // T)
+            B, K = args.batches[T]
             # the bare loop is single-GPU, and has no data: no documents
             for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
                 t0 = time.perf_counter()
-                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss, docs)
+                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss, docs, K)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
+                         **({"accumulation": K} if K > 1 else {}),
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model), loss=args.loss,
                          qkv="views" if docs else qkv_layout(model, attn),  # documents: q, k, v views (model/gpt.py)
                          **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}))
                 new.append(r)
                 print(
-                    f"[e2e] {mode:8s} {model} {B}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
+                    f"[e2e] {mode:8s} {model} {_batch(B, K)}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
                     f"{'document mask ' if docs else ''}"
                     f"-> {r['status']} {_fmt(r, 'tokens_per_s')} tok/s/GPU {_fmt(r, 'tflops_per_gpu', 1, 1)} "
                     f"TFLOP/s MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",

@@ -124,3 +124,36 @@ def test_the_loss_defaults_to_what_train_py_runs():
     train_default = OmegaConf.load(Path(e2e.REPO) / "conf" / "train.yaml").loss
     assert e2e.parse_args([]).loss == train_default == "fused"
     assert e2e.parse_args(["--loss", "torch"]).loss == "torch"
+
+
+def test_micro_batches_hold_the_tokens_per_step_and_refuse_a_remainder():
+    assert e2e.batch_and_accumulation(16384, 8192, None) == (2, 1)
+    assert e2e.batch_and_accumulation(16384, 8192, 1) == (1, 2)
+    assert e2e.batch_and_accumulation(16384, 2048, 2) == (2, 4)
+    for micro in (3, 0):  # 16384 is not a whole number of 3 × 2048 tokens; no forward of zero sequences
+        with pytest.raises(SystemExit, match="--micro-batch"):
+            e2e.batch_and_accumulation(16384, 2048, micro)
+    with pytest.raises(SystemExit, match="--micro-batch 3 at T = 2048"):  # before any case runs
+        e2e.parse_args(["--seqlens", "2048", "--micro-batch", "3"])
+
+
+def test_accumulation_reaches_train_py_as_the_global_batch():
+    """K micro-batches of B sequences on each of N GPUs: global_batch_tokens = B·T·K·N, which recipe/batch.py turns
+    back into K accumulation steps; one forward per step sets no global batch (data.batch_size alone)."""
+    one = e2e._overrides("gpt3-2.7b", 8192, 2, "flash", False, 15, 5)
+    assert not any(o.startswith("global_batch_tokens") for o in one) and "data.batch_size=2" in one
+    acc = e2e._overrides("gpt3-2.7b", 8192, 1, "flash", False, 15, 5, accumulation=2, gpus=2)
+    assert "global_batch_tokens=32768" in acc and "data.batch_size=1" in acc
+
+
+def test_accumulated_rows_are_their_own_case_and_say_so(tmp_path):
+    whole = _row("pipeline", "flash", 200.0)
+    micro = {**_row("pipeline", "flash", 190.0), "batch": 1, "accumulation": 2}
+    rows = e2e.merge(tmp_path / "e2e.json", [whole, micro])
+    assert len(rows) == 2
+    lines = e2e.table(rows).splitlines()
+    assert any("| 8192 | 1 × 2 acc. | flash |" in line and "| 190 |" in line for line in lines)
+    assert any("| 8192 | 2 | flash |" in line and "| 200 |" in line for line in lines)
+    if importlib.util.find_spec("matplotlib"):
+        e2e.plot(rows, tmp_path / "e2e.png")
+        assert (tmp_path / "e2e.png").stat().st_size > 1000
