@@ -1,5 +1,5 @@
 """What the benchmark scripts share: file names per device, results merged by key, the rates a training run
-logged, figures only where matplotlib is installed, and a step's wall time."""
+logged, figures only where matplotlib is installed, a step's wall time, and the model fields --set changes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import re
 import time
 from pathlib import Path
 from typing import Callable
+
+import yaml
 
 
 def device_slug(device: str) -> str:
@@ -96,3 +98,14 @@ def join_torchrun_group() -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     return local
+
+
+def parse_sets(items: list[str]) -> dict:
+    """--set's key=value items (GPTConfig fields) -> {key: value}, each value read as Hydra reads an override."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected key=value, a GPTConfig field (e.g. fp32_residual=true)")
+        out[key] = yaml.safe_load(value)  # true -> True, 0.1 -> 0.1, sdpa -> 'sdpa'
+    return out

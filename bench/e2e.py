@@ -18,6 +18,7 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss torch  # loss=torch rows
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --set fused_add_norm=true  # model fields
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash flex sdpa --document-mask both \
         --modes pipeline                                  # document masking beside the unmasked rows
 
@@ -45,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import can_plot, device_slug, merge_file, rates, seconds_per_call  # noqa: E402
+from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_  # noqa: E402
@@ -64,9 +65,10 @@ FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7
 
 def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int,
                trainer: str = "gpu", loss: str = "torch", document_mask: bool = False, accumulation: int = 1,
-               gpus: int = 1) -> list[str]:
+               gpus: int = 1, sets: tuple[str, ...] = ()) -> list[str]:
     """train.py's overrides for one case: `batch` sequences per forward, `accumulation` forwards per optimizer step
-    on each of `gpus` GPUs (global_batch_tokens holds the product; recipe/batch.py derives the accumulation)."""
+    on each of `gpus` GPUs (global_batch_tokens holds the product; recipe/batch.py derives the accumulation);
+    `sets` are --set's key=value model fields, applied after the preset."""
     held = [f"global_batch_tokens={batch * seq_len * accumulation * gpus}"] if accumulation > 1 else []
     return [
         *held,
@@ -85,6 +87,7 @@ def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bo
         "trainer.enable_model_summary=false",
         "~callbacks.checkpoint",
         "logger=none",
+        *(f"model.{item}" for item in sets),
     ]
 
 
@@ -95,9 +98,11 @@ def _compose(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
-def _model_config(model: str, attention: str, seq_len: int = 1024) -> dict:
-    """The preset's GPTConfig fields as train.py composes them (conf/train.yaml sets seq_len and attention)."""
-    return dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}"]).model)
+def _model_config(model: str, attention: str, seq_len: int = 1024, sets: tuple[str, ...] = ()) -> dict:
+    """The preset's GPTConfig fields as train.py composes them (conf/train.yaml sets seq_len and attention), with
+    --set's fields."""
+    return dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}",
+                          *(f"model.{item}" for item in sets)]).model)
 
 
 def batch_and_accumulation(tokens_per_step: int, seq_len: int, micro_batch: int | None) -> tuple[int, int]:
@@ -118,11 +123,12 @@ def _check_steps(warmup: int, steps: int) -> None:
 
 
 def run_pipeline(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-                 loss: str = "torch", document_mask: bool = False, accumulation: int = 1) -> dict:
+                 loss: str = "torch", document_mask: bool = False, accumulation: int = 1,
+                 sets: tuple[str, ...] = ()) -> dict:
     """The real pipeline on one GPU, in this process; returns the perf/* rates over the last `steps` steps."""
     _check_steps(warmup, steps)
     cfg = _compose([*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, loss=loss,
-                                document_mask=document_mask, accumulation=accumulation),
+                                document_mask=document_mask, accumulation=accumulation, sets=sets),
                     f"output_dir={RESULTS / 'runs'}"])
     cfg.callbacks.perf.window = steps // warmup + 1  # one rate over all timed steps
     return rates(train(cfg))
@@ -145,14 +151,16 @@ def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> d
 
 def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
                        gpus: int, strategy: str, loss: str = "torch", document_mask: bool = False,
-                       accumulation: int = 1) -> dict:
+                       accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
     """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml."""
     _check_steps(warmup, steps)
     run_dir = RESULTS / "runs" / (f"{model}_{batch}x{seq_len}{f'x{accumulation}acc' if accumulation > 1 else ''}_"
                                   f"{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
-                                  f"{'_fused_loss' if loss == 'fused' else ''}{'_docmask' if document_mask else ''}")
+                                  f"{'_fused_loss' if loss == 'fused' else ''}{'_docmask' if document_mask else ''}"
+                                  f"{''.join('_' + item.replace('=', '-') for item in sets)}")
     overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy,
-                             loss=loss, document_mask=document_mask, accumulation=accumulation, gpus=gpus),
+                             loss=loss, document_mask=document_mask, accumulation=accumulation, gpus=gpus,
+                             sets=sets),
                  f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
     return rates(launch_train(overrides, run_dir))
 
@@ -190,9 +198,10 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
 
 
 def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             loss: str = "torch", accumulation: int = 1) -> dict:
+             loss: str = "torch", accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
     """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
-    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss, accumulation=accumulation)
+    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss, accumulation=accumulation,
+                          **parse_sets(list(sets)))
     torch.cuda.reset_peak_memory_stats()
     dt = seconds_per_call(step, warmup, steps)
     tokens_per_s = batch * seq_len * accumulation / dt
@@ -215,16 +224,16 @@ def _free_cuda() -> None:
 
 def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
              gpus: int = 1, strategy: str = "single", loss: str = "torch", document_mask: bool = False,
-             accumulation: int = 1) -> dict:
+             accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
     try:
         if gpus > 1:
             out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
-                                     document_mask, accumulation)
+                                     document_mask, accumulation, sets)
         elif mode == "pipeline":
             out = run_pipeline(model, seq_len, batch, attention, compile, warmup, steps, loss, document_mask,
-                               accumulation)
+                               accumulation, sets)
         else:
-            out = run_bare(model, seq_len, batch, attention, compile, warmup, steps, loss, accumulation)
+            out = run_bare(model, seq_len, batch, attention, compile, warmup, steps, loss, accumulation, sets)
         out["status"] = "ok"
     except (torch.OutOfMemoryError, TrainingOutOfMemory):
         out = {"status": "OOM"}
@@ -248,12 +257,13 @@ def _attention(r: dict) -> str:
     rows whose blocks passed the fused qkv whole (model/attention.py's qkv-packed form): '..., qkv packed'.
     Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views. Rows of
     loss=fused (model/cross_entropy.py) end in ', fused loss'; rows with data.document_mask=true say so:
-    'flash vN, document mask, ...'."""
+    'flash vN, document mask, ...'; rows run with --set name its model fields last: '..., fused_add_norm=true'."""
     name = f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
     name = f"{name}, document mask" if r.get("document_mask") else name
     name = f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
     name = f"{name}, qkv packed" if r.get("qkv") == "packed" else name
-    return f"{name}, fused loss" if r.get("loss") == "fused" else name
+    name = f"{name}, fused loss" if r.get("loss") == "fused" else name
+    return f"{name}, {r['set']}" if r.get("set") else name
 
 
 def _accumulation(r: dict) -> int:
@@ -270,15 +280,16 @@ def _masking(r: dict) -> str:
     return f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
 
 
-def residual_dtype(model: str) -> str:
-    """'bf16' or 'fp32': the residual stream a model's config runs under bf16 autocast (model/gpt.py)."""
-    return "fp32" if _compose([f"model={model}"]).model.get("fp32_residual", False) else "bf16"
+def residual_dtype(model: str, sets: tuple[str, ...] = ()) -> str:
+    """'bf16' or 'fp32': the residual stream a model's config (with --set's fields) runs under bf16 autocast
+    (model/gpt.py)."""
+    return "fp32" if _model_config(model, "sdpa", sets=sets).get("fp32_residual", False) else "bf16"
 
 
-def qkv_layout(model: str, attention: str) -> str:
+def qkv_layout(model: str, attention: str, sets: tuple[str, ...] = ()) -> str:
     """'packed' where a model's blocks hand the fused projection whole to the attention (model/gpt.py packs_qkv:
     flash, H key/value heads, learned positions), else 'views' (q, k, v views; GQA and RoPE models)."""
-    return "packed" if packs_qkv(GPTConfig(**_model_config(model, attention))) else "views"
+    return "packed" if packs_qkv(GPTConfig(**_model_config(model, attention, sets=sets))) else "views"
 
 
 def kernel_label(label: str | None, other_build: str | None) -> str:
@@ -405,11 +416,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernel-label", default=None, metavar="NAME",
                     help="what attention=flash rows say they ran, for a build that FLASH_KERNEL_EXT names "
                          "(e.g. v33+overlap-bc128); default flash_kernel.KERNEL_VERSION")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="model fields for every case, after the preset (e.g. fused_add_norm=true); rows name them")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
     args.loss = args.loss or _compose([]).loss
     args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
+    parse_sets(args.set)  # a malformed item stops here, before any case runs
+    args.set = tuple(sorted(args.set))
     return args
 
 
@@ -437,11 +452,12 @@ def main(argv: list[str] | None = None) -> None:
             # the bare loop is single-GPU, and has no data: no documents
             for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
                 t0 = time.perf_counter()
-                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss, docs, K)
+                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss, docs, K,
+                             args.set)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                         **({"accumulation": K} if K > 1 else {}),
-                         gpus=gpus, strategy=strategy, residual=residual_dtype(model), loss=args.loss,
-                         qkv="views" if docs else qkv_layout(model, attn),  # documents: q, k, v views (model/gpt.py)
+                         **({"accumulation": K} if K > 1 else {}), **({"set": " ".join(args.set)} if args.set else {}),
+                         gpus=gpus, strategy=strategy, residual=residual_dtype(model, args.set), loss=args.loss,
+                         qkv="views" if docs else qkv_layout(model, attn, args.set),  # documents: q, k, v views
                          **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}))
                 new.append(r)

@@ -43,6 +43,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -184,16 +185,6 @@ def ddp_wrap(reduce_dtype: str, sm_carveout: int, hook: str):
         return ddp
 
     return wrap
-
-
-def parse_sets(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set {item!r}: expected key=value, a GPTConfig field (e.g. fp32_residual=true)")
-        out[key] = yaml.safe_load(value)  # as Hydra reads an override: true -> True, 0.1 -> 0.1, sdpa -> 'sdpa'
-    return out
 
 
 def table(row: dict, top: int) -> str:

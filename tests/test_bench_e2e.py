@@ -157,3 +157,21 @@ def test_accumulated_rows_are_their_own_case_and_say_so(tmp_path):
     if importlib.util.find_spec("matplotlib"):
         e2e.plot(rows, tmp_path / "e2e.png")
         assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+def test_set_model_fields_reach_train_py_and_name_their_rows(tmp_path):
+    """--set's fields follow the preset in train.py's overrides (and in the labels' config: an fp32 residual set here
+    is what the row says); its rows are a case of their own; a malformed item stops before any case runs."""
+    args = e2e.parse_args(["--seqlens", "8192", "--set", "fused_bias_gelu=true", "fused_add_norm=true"])
+    assert args.set == ("fused_add_norm=true", "fused_bias_gelu=true")
+    overrides = e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 15, 5, sets=args.set)
+    assert overrides[-2:] == ["model.fused_add_norm=true", "model.fused_bias_gelu=true"]
+    assert e2e.residual_dtype("gpt3-1.3b", ("fp32_residual=true",)) == "fp32"
+    assert e2e.residual_dtype("gpt3-1.3b") == "bf16"
+    plain = _row("pipeline", "flash", 200.0)
+    fused = {**_row("pipeline", "flash", 204.0), "set": " ".join(args.set)}
+    rows = e2e.merge(tmp_path / "e2e.json", [plain, fused])
+    assert len(rows) == 2
+    assert e2e._attention(fused) == "flash, fused_add_norm=true fused_bias_gelu=true"
+    with pytest.raises(SystemExit, match="expected key=value"):
+        e2e.parse_args(["--set", "fused_add_norm"])
