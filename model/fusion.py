@@ -1,4 +1,5 @@
-"""RoPE and SwiGLU, each one fused kernel forward and one backward when the model runs eagerly on a GPU.
+"""RoPE, SwiGLU, the residual add with the norm after it, and bias-GELU, compiled into fused kernels when the model
+runs eagerly on a GPU.
 
 Eager PyTorch runs each as a chain of kernels over strided views of a fused projection's output. RoPE on q and k,
 views of the qkv matmul's output, takes the two halves of the head dim, four products, a difference, a sum and a
@@ -6,6 +7,12 @@ concatenation; SwiGLU multiplies SiLU of one half of the fc matmul's output by t
 concatenates the two halves' gradients. PyTorch's elementwise kernels vectorize only contiguous operands, so on the
 views they take their strided path. On Llama-1B at 2 × 8k, eager, these casts, copies and strided kernels take 53 ms
 of a 294 ms step (one H200, docs/results.md section 7), for flash and sdpa alike.
+
+The residual add and the pre-norm that reads its sum (model.fused_add_norm), and the MLP's bias with the GELU
+after it (model.fused_bias_gelu), are separate passes in eager PyTorch: the add writes the stream that the norm reads
+back, and the bias rides in the fc matmul's epilogue but its gradient is a reduction of its own that reads the GELU's
+gradient back. Compiled, the sum and its norm come out of one kernel, and the bias's gradient can be reduced in the
+pass that computes the GELU's. Both options are off by default (model/gpt.py).
 
 torch.compile turns each chain into one kernel that reads the views where they lie and writes its output once (and
 one for the backward). The functions here are compiled on their own, as model/attention.py compiles flex_attention,
@@ -82,5 +89,31 @@ def fused(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return run
 
 
+def add_layer_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x (B, T, C) plus a block's branch output, and LayerNorm of that sum: (x + branch,
+    layer_norm(x + branch)), both in x's dtype. As model/gpt.py's LayerNorm, the norm runs outside autocast with its
+    parameters cast to the stream's dtype (on a bf16 stream it writes bf16, not autocast's fp32)."""
+    x = x + branch
+    with torch.autocast(x.device.type, enabled=False):
+        return x, F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
+
+
+def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_layer_norm with RMSNorm: (x + branch, rms_norm(x + branch))."""
+    x = x + branch
+    with torch.autocast(x.device.type, enabled=False):
+        return x, F.rms_norm(x, x.shape[-1:], weight.to(x.dtype), eps)
+
+
+def bias_gelu(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation, GPT-2's) of the fc matmul's output h (..., F) plus its bias (F,), cast to h's dtype
+    as autocast casts a Linear's bias; the bias's gradient is the sum of the GELU's over every token."""
+    return F.gelu(h + bias.to(h.dtype), approximate="tanh")
+
+
 apply_rope = fused(rope)
 apply_swiglu = fused(swiglu)
+apply_add_layer_norm = fused(add_layer_norm)
+apply_add_rms_norm = fused(add_rms_norm)
+apply_bias_gelu = fused(bias_gelu)

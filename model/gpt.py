@@ -12,7 +12,9 @@ token embedding. Each option's default is GPT-3's:
 - norm: LayerNorm, or RMSNorm (Zhang & Sennrich 2019). mlp: GELU, or SwiGLU (Shazeer 2020), whose gate and
   up projections are one matmul. bias: biases in every Linear and LayerNorm.
 
-RoPE and SwiGLU come from model/fusion.py, which runs each as a compiled kernel when the model runs eagerly on a GPU.
+RoPE and SwiGLU come from model/fusion.py, which runs each as a compiled kernel when the model runs eagerly on a GPU;
+fused_add_norm and fused_bias_gelu take two more of its kernels: each block's residual add with the norm that reads
+the sum, and the GELU MLP's bias with its GELU.
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
@@ -34,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import (AttentionMask, attention_mask, check_attention_supported, check_window,
                              document_positions, get_attention, get_qkvpacked_attention)
-from model.fusion import apply_rope, apply_swiglu
+from model.fusion import apply_add_layer_norm, apply_add_rms_norm, apply_bias_gelu, apply_rope, apply_swiglu
 
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
 VOCAB_MULTIPLE = 64
@@ -76,6 +78,8 @@ class GPTConfig:
     d_ff: int | None = None  # MLP hidden width; None: mlp_ratio · d_model
     window: int | None = None  # sliding-window attention: keys left of each query it sees; None: all (attention.window)
     reset_position_ids: bool = True  # with documents, positions restart at each document's start
+    fused_add_norm: bool = False  # the attention's residual add and ln_2 in one kernel (model/fusion.py)
+    fused_bias_gelu: bool = False  # the MLP's fc bias and GELU in one kernel (model/fusion.py); GELU MLPs with biases
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -92,6 +96,11 @@ class GPTConfig:
             raise ModelConfigError(
                 f"model.pos_emb=rope rotates pairs of channels, so the head dim must be even, but "
                 f"d_model/n_head = {self.d_model}/{self.n_head} = {self.head_dim}; change model.n_head or model.d_model"
+            )
+        if self.fused_bias_gelu and (self.mlp != "gelu" or not self.bias):
+            raise ModelConfigError(
+                f"model.fused_bias_gelu=true fuses the fc bias of a GELU MLP, but model.mlp={self.mlp} and "
+                f"model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true"
             )
         try:
             check_window(self.window)
@@ -149,6 +158,10 @@ class LayerNorm(nn.LayerNorm):
             lambda x, w, b: F.layer_norm(x, self.normalized_shape, w, b, self.eps), x, self.weight, self.bias
         )
 
+    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, self(x + branch)) in one compiled kernel where model/fusion.py compiles."""
+        return apply_add_layer_norm(x, branch, self.weight, self.bias, self.eps)
+
 
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm that returns its input's dtype, as LayerNorm above: a bf16 input with an fp32 weight would
@@ -158,6 +171,10 @@ class RMSNorm(nn.RMSNorm):
         if x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         return _norm_in_input_dtype(lambda x, w: F.rms_norm(x, self.normalized_shape, w, self.eps), x, self.weight)
+
+    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, self(x + branch)) in one compiled kernel where model/fusion.py compiles."""
+        return apply_add_rms_norm(x, branch, self.weight, self.eps)
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
@@ -234,6 +251,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
+        self.fused_bias_gelu = cfg.fused_bias_gelu
         # SwiGLU's gate and up projections are one matmul: fc's output is [gate | up]
         self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.ffn_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
@@ -241,11 +259,11 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
-        if self.swiglu:
-            h = apply_swiglu(h)  # (B, T, d_ff)
+        if self.fused_bias_gelu:  # the bias added in the GELU's kernel, not the matmul's epilogue
+            h = apply_bias_gelu(F.linear(x, self.fc.weight), self.fc.bias)  # (B, T, d_ff)
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = self.fc(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
+            h = apply_swiglu(h) if self.swiglu else F.gelu(h, approximate="tanh")  # (B, T, d_ff)
         return self.dropout(self.proj(h))
 
 
@@ -256,13 +274,19 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self.fused_add_norm = cfg.fused_add_norm
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None,
         mask: AttentionMask | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache, mask)
-        return x + self.mlp(self.ln_2(x))
+        branch = self.attn(self.ln_1(x), rope, cache, mask)
+        if self.fused_add_norm:
+            x, h = self.ln_2.add_and_norm(x, branch)
+        else:
+            x = x + branch
+            h = self.ln_2(x)
+        return x + self.mlp(h)
 
 
 class GPT(nn.Module):

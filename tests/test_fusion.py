@@ -1,6 +1,7 @@
-"""model/fusion.py: RoPE and SwiGLU trace whole into one graph each with their gradients, run as they are off the GPU
-and where no gradient follows, give up compiling at dynamo's recompile limit with a warning, and on a GPU run
-compiled, within the error rule of the plain bf16 functions (and the Llama-style GPT with them)."""
+"""model/fusion.py: RoPE, SwiGLU, the residual add with its norm and bias-GELU trace whole into one graph each with
+their gradients, run as they are off the GPU and where no gradient follows, give up compiling at dynamo's recompile
+limit with a warning, and on a GPU run compiled, within the error rule of the plain bf16 functions (and the
+Llama-style and GPT-3-style GPTs with them)."""
 
 import functools
 import warnings
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import model.fusion as fusion
-from model.gpt import GPT, GPTConfig, rope_cos_sin
+from model.gpt import GPT, GPTConfig, ModelConfigError, rope_cos_sin
 from model.loss import next_token_loss
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on a CUDA GPU")
@@ -56,20 +57,54 @@ def _swiglu_input(B=2, T=37, F=48, device="cpu", dtype=torch.float32, seed=0):
     return (torch.randn(B, T, 2 * F, generator=g).to(device, dtype),)
 
 
+def _residual_inputs(B=2, T=37, C=48, device="cpu", dtype=torch.float32, seed=0, bias=True):
+    """(x, branch, weight[, bias]): the residual stream and a branch output (B, T, C), a norm's parameters (C,) in
+    fp32, as the model keeps them."""
+    g = torch.Generator().manual_seed(seed)
+    x, branch = (torch.randn(B, T, C, generator=g).to(device, dtype) for _ in range(2))
+    params = [1 + 0.1 * torch.randn(C, generator=g), 0.1 * torch.randn(C, generator=g)][:2 if bias else 1]
+    return x, branch, *(q.to(device) for q in params)
+
+
+def _bias_gelu_inputs(B=2, T=37, F=48, device="cpu", dtype=torch.float32, seed=0):
+    """(h, bias): the fc matmul's output (B, T, F) and its fp32 bias (F,)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, F, generator=g).to(device, dtype), (0.5 * torch.randn(F, generator=g)).to(device)
+
+
+def add_layer_norm(x, branch, weight, bias):
+    return fusion.add_layer_norm(x, branch, weight, bias, 1e-5)
+
+
+def add_layer_norm_no_bias(x, branch, weight):
+    return fusion.add_layer_norm(x, branch, weight, None, 1e-5)
+
+
+def add_rms_norm(x, branch, weight):
+    return fusion.add_rms_norm(x, branch, weight, 1e-5)
+
+
 def _value_and_grads(fn, *inputs):
-    """fn's output and its inputs' gradients, fp32, for a fixed upstream gradient. Each leaf keeps its input's strides
-    (k stays a strided (B, T, Hkv, D) layout, as a view of the fused projection is)."""
+    """fn's outputs (one tensor or a tuple) and its inputs' gradients, fp32, for a fixed upstream gradient of each
+    output. Each leaf keeps its input's strides (k stays a strided (B, T, Hkv, D) layout, as a view of the fused
+    projection is)."""
     leaves = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x).requires_grad_()
               for x in inputs]
-    out = fn(*leaves)
-    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out))
-    return [out.detach().float(), *(x.grad.float() for x in leaves)]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [torch.linspace(-1, 1 - i, o.numel(), dtype=o.dtype, device=o.device).view_as(o) for i, o in enumerate(outs)]
+    torch.autograd.backward(outs, grads)
+    return [*(o.detach().float() for o in outs), *(x.grad.float() for x in leaves)]
 
 
 CASES = {
     "rope": (fusion.rope, _rope_inputs),
     "rope_per_batch": (fusion.rope, lambda **kw: _rope_inputs(per_batch=True, **kw)),
     "swiglu": (fusion.swiglu, _swiglu_input),
+    "add_layer_norm": (add_layer_norm, _residual_inputs),
+    "add_layer_norm_no_bias": (add_layer_norm_no_bias, lambda **kw: _residual_inputs(bias=False, **kw)),
+    "add_rms_norm": (add_rms_norm, lambda **kw: _residual_inputs(bias=False, **kw)),
+    "bias_gelu": (fusion.bias_gelu, _bias_gelu_inputs),
 }
 
 
@@ -79,7 +114,7 @@ def test_each_function_traces_into_one_graph_with_the_same_values_and_gradients(
     the traced forward and backward graphs as they are)."""
     fn, make = CASES[case]
     inputs = make()
-    assert case == "swiglu" or not inputs[0].is_contiguous()  # RoPE reads k where the projection wrote it
+    assert not case.startswith("rope") or not inputs[0].is_contiguous()  # RoPE reads k where the projection wrote it
     traced = torch.compile(fn, backend="aot_eager", fullgraph=True)
     for want, got in zip(_value_and_grads(fn, *inputs), _value_and_grads(traced, *inputs)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -91,6 +126,71 @@ def test_off_the_gpu_the_plain_functions_run(monkeypatch):
     torch.testing.assert_close(fusion.apply_rope(k, cos, sin), fusion.rope(k, cos, sin), rtol=0, atol=0)
     (h,) = _swiglu_input()
     torch.testing.assert_close(fusion.apply_swiglu(h), fusion.swiglu(h), rtol=0, atol=0)
+    x, branch, w, b = _residual_inputs()
+    for got, want in ((fusion.apply_add_layer_norm(x, branch, w, b, 1e-5), fusion.add_layer_norm(x, branch, w, b, 1e-5)),
+                      (fusion.apply_add_rms_norm(x, branch, w, 1e-5), fusion.add_rms_norm(x, branch, w, 1e-5))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(fusion.apply_bias_gelu(*_bias_gelu_inputs()), fusion.bias_gelu(*_bias_gelu_inputs()),
+                               rtol=0, atol=0)
+
+
+FUSED_OPTIONS = {"gpt3": dict(fused_add_norm=True, fused_bias_gelu=True),
+                 "llama": dict(fused_add_norm=True, n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu",
+                               bias=False)}
+
+
+def _off_init(model: GPT) -> GPT:
+    """The model with its biases and norm weights moved off their initial zeros and ones, so that a bias or a norm
+    weight left out of a fused path changes the loss."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=g).to(p.device))
+    return model
+
+
+def _small_gpt(**options) -> GPT:
+    torch.manual_seed(0)
+    return _off_init(GPT(GPTConfig(vocab_size=300, seq_len=64, n_layer=2, n_head=4, d_model=64, attention="naive",
+                                   **options)))
+
+
+@pytest.mark.parametrize("name", list(FUSED_OPTIONS))
+def test_fused_options_keep_the_parameters_and_the_values(name):
+    """model.fused_add_norm and model.fused_bias_gelu change how a block computes, not what: the same parameters
+    under the same names (a checkpoint loads either way), and in fp32 the same loss and gradients as without them."""
+    options = FUSED_OPTIONS[name]
+    plain_options = {k: v for k, v in options.items() if not k.startswith("fused_")}
+    fused, plain = _small_gpt(**options), _small_gpt(**plain_options)
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(fused.state_dict())
+    x, y = (torch.randint(0, 300, (2, 63), generator=torch.Generator().manual_seed(i)) for i in range(2))
+    losses = [next_token_loss(model(x), y) for model in (fused, plain)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+
+
+def test_a_training_step_with_the_fused_options_takes_their_compiled_path(compiles_on_cpu):
+    """Where fusion.py compiles (here CPU tensors through dynamo's eager backend), a GPT-3-style block calls the add +
+    LayerNorm and bias-GELU graphs, under autocast as training runs it, and its loss is the plain model's."""
+    model = _small_gpt(**FUSED_OPTIONS["gpt3"])
+    plain = _small_gpt()
+    x, y = (torch.randint(0, 300, (2, 63), generator=torch.Generator().manual_seed(i)) for i in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, loss_plain = next_token_loss(model(x), y), next_token_loss(plain(x), y)
+    loss.backward()
+    assert set(compiles_on_cpu) == {fusion.add_layer_norm, fusion.bias_gelu}
+    torch.testing.assert_close(loss, loss_plain, rtol=2e-3, atol=2e-3)  # the bias added after the bf16 matmul
+
+
+@pytest.mark.parametrize("options", [dict(mlp="swiglu"), dict(bias=False)], ids=["swiglu", "no_bias"])
+def test_fused_bias_gelu_needs_a_gelu_mlp_with_biases(options):
+    with pytest.raises(ModelConfigError, match="model.fused_bias_gelu=true .* needs mlp=gelu and bias=true"):
+        GPTConfig(fused_bias_gelu=True, **options)
 
 
 def test_only_calls_with_a_gradient_to_follow_take_the_compiled_kernels(compiles_on_cpu):
@@ -146,20 +246,29 @@ def test_compiled_on_the_gpu_within_twice_the_plain_functions_error(case, dtype,
     plain = _value_and_grads(fn, *inputs)
     ours = _value_and_grads(run, *inputs)
     assert calls == [fn]
-    for what, r, p, o in zip(("out", "d0", "d1", "d2"), ref, plain, ours):
+    for i, (r, p, o) in enumerate(zip(ref, plain, ours)):  # the outputs, then the inputs' gradients
         err, err_plain = (o - r).abs().max().item(), (p - r).abs().max().item()
-        assert err <= 2 * err_plain + 1e-6, f"{case} {what}: max error {err:.2e}, plain {dtype}'s {err_plain:.2e}"
+        assert err <= 2 * err_plain + 1e-6, f"{case} value {i}: max error {err:.2e}, plain {dtype}'s {err_plain:.2e}"
+
+
+GPU_MODELS = {
+    "llama": dict(n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False),
+    "llama_fused_add_norm": dict(n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                                 fused_add_norm=True),
+    "gpt3_fused": dict(fused_add_norm=True, fused_bias_gelu=True),
+}
 
 
 @needs_cuda
 @pytest.mark.gpu
-def test_llama_style_gpt_trains_the_same_with_the_compiled_kernels(monkeypatch):
-    """One eager bf16 step of a GPT with RoPE and SwiGLU: loss and gradients with the compiled kernels match the
-    plain functions' to bf16's rounding."""
-    cfg = GPTConfig(vocab_size=500, seq_len=256, n_layer=2, n_head=4, n_kv_head=2, d_model=256, pos_emb="rope",
-                    norm="rmsnorm", mlp="swiglu", bias=False, attention="sdpa")
+@pytest.mark.parametrize("name", list(GPU_MODELS))
+def test_gpt_trains_the_same_with_the_compiled_kernels(monkeypatch, name):
+    """One eager bf16 step of a Llama-style GPT (RoPE, SwiGLU, and the add + RMSNorm) and of a GPT-3-style one (add +
+    LayerNorm, bias-GELU): loss and gradients with the compiled kernels match the plain functions' to bf16's
+    rounding."""
+    cfg = GPTConfig(vocab_size=500, seq_len=256, n_layer=2, n_head=4, d_model=256, attention="sdpa", **GPU_MODELS[name])
     torch.manual_seed(0)
-    model = GPT(cfg).cuda()
+    model = _off_init(GPT(cfg)).cuda()
     x, y = (torch.randint(0, 500, (2, 255), device="cuda") for _ in range(2))
 
     def step():
