@@ -383,7 +383,8 @@ def plot(rows: list[dict], path: Path) -> None:
         bars = ax.bar(xs, ys, width, label=label)
         for bar, lab in zip(bars, labels):
             ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{m}\n{_batch(B, K)}×{T}" for m, T, B, K in groups])
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                  [f"{m}\n{_batch(B, K)}×{T}" for m, T, B, K in groups])
     ax.set_ylabel("TFLOP/s per GPU (6N + 12LdT)")
     devices = ", ".join(sorted({r["device"] for r in pipe}))
     ax.set_title(f"End-to-end GPT training step (batch × T), bf16, latest run per case — {devices}")

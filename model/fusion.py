@@ -8,11 +8,11 @@ concatenates the two halves' gradients. PyTorch's elementwise kernels vectorize 
 views they take their strided path. On Llama-1B at 2 × 8k, eager, these casts, copies and strided kernels take 53 ms
 of a 294 ms step (one H200, docs/results.md section 7), for flash and sdpa alike.
 
-The residual add and the pre-norm that reads its sum (model.fused_add_norm), and the MLP's bias with the GELU
-after it (model.fused_bias_gelu), are separate passes in eager PyTorch: the add writes the stream that the norm reads
-back, and the bias rides in the fc matmul's epilogue but its gradient is a reduction of its own that reads the GELU's
-gradient back. Compiled, the sum and its norm come out of one kernel, and the bias's gradient can be reduced in the
-pass that computes the GELU's. Both options are off by default (model/gpt.py).
+A residual add and the norm that reads its sum (model.fused_add_norm: the next block's ln_1, ln_2, ln_f), and the
+MLP's bias with the GELU after it (model.fused_bias_gelu), are separate passes in eager PyTorch: the add writes the
+stream that the norm reads back, and the bias rides in the fc matmul's epilogue but its gradient is a reduction of
+its own that reads the GELU's gradient back. Compiled, the sum and its norm come out of one kernel, and the bias's
+gradient can be reduced in the pass that computes the GELU's. Both options are off by default (model/gpt.py).
 
 torch.compile turns each chain into one kernel that reads the views where they lie and writes its output once (and
 one for the backward). The functions here are compiled on their own, as model/attention.py compiles flex_attention,
@@ -99,7 +99,8 @@ def add_layer_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, 
         return x, F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
 
 
-def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """add_layer_norm with RMSNorm: (x + branch, rms_norm(x + branch))."""
     x = x + branch
     with torch.autocast(x.device.type, enabled=False):

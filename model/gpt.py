@@ -13,8 +13,8 @@ token embedding. Each option's default is GPT-3's:
   up projections are one matmul. bias: biases in every Linear and LayerNorm.
 
 RoPE and SwiGLU come from model/fusion.py, which runs each as a compiled kernel when the model runs eagerly on a GPU;
-fused_add_norm and fused_bias_gelu take two more of its kernels: each block's residual add with the norm that reads
-the sum, and the GELU MLP's bias with its GELU.
+fused_add_norm and fused_bias_gelu take two more of its kernels: each residual add with the norm that reads the sum
+(ln_1 of the next block, ln_2, ln_f), and the GELU MLP's bias with its GELU.
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
@@ -78,7 +78,7 @@ class GPTConfig:
     d_ff: int | None = None  # MLP hidden width; None: mlp_ratio · d_model
     window: int | None = None  # sliding-window attention: keys left of each query it sees; None: all (attention.window)
     reset_position_ids: bool = True  # with documents, positions restart at each document's start
-    fused_add_norm: bool = False  # the attention's residual add and ln_2 in one kernel (model/fusion.py)
+    fused_add_norm: bool = False  # each residual add with the norm after it in one kernel (model/fusion.py)
     fused_bias_gelu: bool = False  # the MLP's fc bias and GELU in one kernel (model/fusion.py); GELU MLPs with biases
 
     def __post_init__(self) -> None:
@@ -278,15 +278,19 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, cache: KVCache | None = None,
-        mask: AttentionMask | None = None,
-    ) -> torch.Tensor:
-        branch = self.attn(self.ln_1(x), rope, cache, mask)
-        if self.fused_add_norm:
-            x, h = self.ln_2.add_and_norm(x, branch)
-        else:
-            x = x + branch
-            h = self.ln_2(x)
-        return x + self.mlp(h)
+        mask: AttentionMask | None = None, pending: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C), the residual stream -> the stream after this block.
+
+        With fused_add_norm the stream travels as two tensors, x + pending, and each sum is formed in the kernel of
+        the norm that reads it (model/fusion.py): the block takes `pending`, the previous block's MLP output (None
+        before the first block), and returns (x, its own MLP output) for the next block, or ln_f, to add."""
+        if not self.fused_add_norm:
+            x = x + self.attn(self.ln_1(x), rope, cache, mask)
+            return x + self.mlp(self.ln_2(x))
+        x, h = self.ln_1.add_and_norm(x, pending) if pending is not None else (x, self.ln_1(x))
+        x, h = self.ln_2.add_and_norm(x, self.attn(h, rope, cache, mask))
+        return x, self.mlp(h)
 
 
 class GPT(nn.Module):
@@ -348,15 +352,19 @@ class GPT(nn.Module):
             # 314.7 -> 289.1 ms per step at 2k, 382.1 -> 356.1 at 8k (bench/profile_step.py).
             x = x.to(dtype)
         rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_base, dtype) if self.cfg.pos_emb == "rope" else None
+        pending = None  # with fused_add_norm: the last block's MLP output, not yet added to x (Block.forward)
         for block in self.blocks:
+            extra = (pending,) if self.cfg.fused_add_norm else ()
             if self.cfg.activation_checkpointing and self.training:
                 # recompute each block in backward: trades ~1/3 more compute for O(L) fewer activations
-                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
+                out = checkpoint(block, x, rope, None, mask, *extra, use_reentrant=False)
             else:
-                x = block(x, rope, cache, mask)
+                out = block(x, rope, cache, mask, *extra)
+            x, pending = out if self.cfg.fused_add_norm else (out, None)
         if cache is not None:
             cache.length += T
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        h = self.ln_f(x) if pending is None else self.ln_f.add_and_norm(x, pending)[1]
+        return self.lm_head(h)  # (B, T, V)
 
     def num_params(self, exclude_position_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weight counted once by parameters()

@@ -156,11 +156,13 @@ def _small_gpt(**options) -> GPT:
                                    **options)))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation_checkpointing"])
 @pytest.mark.parametrize("name", list(FUSED_OPTIONS))
-def test_fused_options_keep_the_parameters_and_the_values(name):
+def test_fused_options_keep_the_parameters_and_the_values(name, checkpointing):
     """model.fused_add_norm and model.fused_bias_gelu change how a block computes, not what: the same parameters
-    under the same names (a checkpoint loads either way), and in fp32 the same loss and gradients as without them."""
-    options = FUSED_OPTIONS[name]
+    under the same names (a checkpoint loads either way), and in fp32 the same loss and gradients as without them,
+    also with each block recomputed in the backward (the stream passes between blocks as two tensors)."""
+    options = {**FUSED_OPTIONS[name], "activation_checkpointing": checkpointing}
     plain_options = {k: v for k, v in options.items() if not k.startswith("fused_")}
     fused, plain = _small_gpt(**options), _small_gpt(**plain_options)
     assert fused.state_dict().keys() == plain.state_dict().keys()

@@ -69,6 +69,9 @@ OPTIONS = {
     "swiglu": {"mlp": "swiglu", "d_ff": 96},
     "no_bias": {"bias": False},
     "llama": {"n_kv_head": 2, "pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False},
+    "fused": {"fused_add_norm": True, "fused_bias_gelu": True},  # the stream as x + pending between blocks
+    "llama_fused": {"n_kv_head": 2, "pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+                    "fused_add_norm": True},
 }
 
 
@@ -295,7 +298,8 @@ def test_rmsnorm_keeps_bf16_and_matches_fp32():
     assert norm.weight.grad.dtype == torch.float32 and norm.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("options", [OPTIONS["gpt3"], OPTIONS["llama"], OPTIONS["mqa"]], ids=["gpt3", "llama", "mqa"])
+@pytest.mark.parametrize("options", [OPTIONS[k] for k in ("gpt3", "llama", "mqa", "llama_fused")],
+                         ids=["gpt3", "llama", "mqa", "llama_fused"])
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])
 def test_kv_cache_decoding_gives_the_full_forward_logits(attention, options):
     """A prompt, then one token at a time through the KV cache: the logits of every position equal those of one

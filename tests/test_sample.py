@@ -110,7 +110,8 @@ def test_checkpoint_of_another_model_is_refused(trained):
 
 def test_model_differences_ignore_runtime_keys_and_fill_defaults():
     old = {"vocab_size": 300, "seq_len": 64, "n_layer": 2, "n_head": 4, "d_model": 64, "attention": "sdpa"}
-    same = {**old, "attention": "flash", "dropout": 0.1, "n_kv_head": 4, "norm": "layernorm", "d_ff": 256}
+    same = {**old, "attention": "flash", "dropout": 0.1, "n_kv_head": 4, "norm": "layernorm", "d_ff": 256,
+            "fused_add_norm": True, "fused_bias_gelu": True}
     assert model_differences(old, same) == []  # a checkpoint from before the options existed is that model
     assert model_differences(old, {**old, "seq_len": 128, "vocab_size": 512}) == [
         ("seq_len", 64, 128), ("data.vocab_size", 300, 512)]
