@@ -15,6 +15,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions sdpa flash --compile both
     python bench/e2e.py --models gpt3-2.7b --seqlens 8192 --micro-batch 1   # 2 micro-batches per step
     python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --compile both --modes pipeline
+    python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --modes pipeline --rounds 3
+                                                          # sdpa, flash, sdpa, flash, ...: medians of 3 runs each
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss torch  # loss=torch rows
@@ -35,9 +37,11 @@ import gc
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from datetime import date, datetime, timezone
 from pathlib import Path
 
@@ -214,6 +218,20 @@ def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool
         "peak_mem_gib": torch.cuda.max_memory_allocated() / GIB,
         "step_time_s": dt,
     }
+
+
+def combine_rounds(runs: list[dict]) -> dict:
+    """One result from a case's rounds: each rate's median and the peak memory's maximum, with every round's
+    tokens/s under 'rounds' when there are several. A round that did not finish (OOM, error) is the result."""
+    failed = [r for r in runs if r["status"] != "ok"]
+    if failed or len(runs) == 1:
+        return dict(failed[-1] if failed else runs[0])
+    out = {"status": "ok", "rounds": [r["tokens_per_s"] for r in runs]}
+    for field in runs[0]:
+        values = [r.get(field) for r in runs]
+        if field != "status" and all(isinstance(v, (int, float)) for v in values):
+            out[field] = max(values) if field == "peak_mem_gib" else statistics.median(values)
+    return out
 
 
 def _free_cuda() -> None:
@@ -411,6 +429,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every case this many times in turn; rows hold each rate's median and every round's "
+                         "tokens/s ('rounds')")
     ap.add_argument("--loss", choices=LOSSES, default=None,
                     help="the loss key: torch or fused (model/cross_entropy.py); default conf/train.yaml's, what "
                          "`python train.py` runs")
@@ -426,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
     parse_sets(args.set)  # a malformed item stops here, before any case runs
     args.set = tuple(sorted(args.set))
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: run every case at least once")
     return args
 
 
@@ -445,31 +468,39 @@ def main(argv: list[str] | None = None) -> None:
         compiles, masks = (CHOICES[args.compile], CHOICES[args.document_mask])
         # naive last: an OOM leaves the allocator fragmented for whatever runs after it
         attentions = sorted(args.attentions, key=lambda a: a == "naive")
-        new = []
-        cases = itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus, masks)
-        for model, T, attn, comp, gpus, docs in cases:
+        new = {}
+        runs = defaultdict(list)  # (case, mode) -> its result in each round so far
+        cases = list(itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus, masks))
+        # Rounds run every case in turn, so that a drift of the GPU's clocks or temperature over the run reaches
+        # every case alike (METHOD: medians over interleaved rounds).
+        for rnd, (model, T, attn, comp, gpus, docs) in ((i, c) for i in range(args.rounds) for c in cases):
             strategy = args.strategy if gpus > 1 else "single"
             B, K = args.batches[T]
             # the bare loop is single-GPU, and has no data: no documents
             for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
+                done = runs[(model, T, attn, comp, gpus, docs, mode)]
+                if done and done[-1]["status"] != "ok":
+                    continue  # out of memory (or failed) once: not run again
                 t0 = time.perf_counter()
-                r = run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss, docs, K,
-                             args.set)
+                done.append(run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss,
+                                     docs, K, args.set))
+                r = combine_rounds(done)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
                          **({"accumulation": K} if K > 1 else {}), **({"set": " ".join(args.set)} if args.set else {}),
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model, args.set), loss=args.loss,
                          qkv="views" if docs else qkv_layout(model, attn, args.set),  # documents: q, k, v views
                          **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}))
-                new.append(r)
+                new[(model, T, attn, comp, gpus, docs, mode)] = r
+                this = done[-1]
                 print(
                     f"[e2e] {mode:8s} {model} {_batch(B, K)}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
-                    f"{'document mask ' if docs else ''}"
-                    f"-> {r['status']} {_fmt(r, 'tokens_per_s')} tok/s/GPU {_fmt(r, 'tflops_per_gpu', 1, 1)} "
-                    f"TFLOP/s MFU {_fmt(r, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
+                    f"{'document mask ' if docs else ''}{f'round {rnd + 1}/{args.rounds} ' if args.rounds > 1 else ''}"
+                    f"-> {this['status']} {_fmt(this, 'tokens_per_s')} tok/s/GPU {_fmt(this, 'tflops_per_gpu', 1, 1)} "
+                    f"TFLOP/s MFU {_fmt(this, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
                     flush=True,
                 )
-                rows = merge(args.out, new)
+                rows = merge(args.out, list(new.values()))
     md = table(rows)
     args.out.with_suffix(".md").write_text(md + "\n")
     if can_plot("bench/e2e.py"):

@@ -1,6 +1,7 @@
 """bench/e2e.py's bookkeeping on CPU: results merge by case, the table pairs pipeline with bare loop."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,43 @@ def test_set_model_fields_reach_train_py_and_name_their_rows(tmp_path):
     assert e2e._attention(fused) == "flash, fused_add_norm=true fused_bias_gelu=true"
     with pytest.raises(SystemExit, match="expected key=value"):
         e2e.parse_args(["--set", "fused_add_norm"])
+
+
+def test_rounds_combine_to_medians_and_a_failed_round_is_the_result():
+    runs = [{"status": "ok", "tokens_per_s": t, "mfu": t / 1000, "peak_mem_gib": m}
+            for t, m in ((100.0, 10.0), (104.0, 9.0), (101.0, 11.0))]
+    row = e2e.combine_rounds(runs)
+    assert row == {"status": "ok", "rounds": [100.0, 104.0, 101.0], "tokens_per_s": 101.0, "mfu": 0.101,
+                   "peak_mem_gib": 11.0}
+    assert e2e.combine_rounds(runs[:1]) == runs[0]  # one round: the run as it is, no 'rounds'
+    assert e2e.combine_rounds([*runs, {"status": "OOM"}]) == {"status": "OOM"}
+
+
+def test_rounds_alternate_the_cases_and_skip_what_ran_out_of_memory(tmp_path, monkeypatch):
+    """--rounds 2 runs sdpa, flash, naive, then again: the table shows medians; naive, out of memory in round 1, is not
+    run again."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
+    monkeypatch.setattr(e2e, "can_plot", lambda script: False)
+    order, rates = [], {"sdpa": iter([100.0, 102.0]), "flash": iter([110.0, 106.0])}
+
+    def fake_run_case(mode, model, T, B, attn, *rest):
+        order.append(attn)
+        if attn == "naive":
+            return {"status": "OOM"}
+        t = next(rates[attn])
+        return {"status": "ok", "tokens_per_s": t, "tflops_per_gpu": t, "mfu": t / 1000, "peak_mem_gib": 1.0}
+
+    monkeypatch.setattr(e2e, "run_case", fake_run_case)
+    out = tmp_path / "e2e.json"
+    e2e.main(["--models", "gpt3-125m", "--seqlens", "1024", "--attentions", "naive", "sdpa", "flash",
+              "--modes", "pipeline", "--rounds", "2", "--out", str(out)])
+    assert order == ["sdpa", "flash", "naive", "sdpa", "flash"]
+    rows = {r["attention"]: r for r in json.loads(out.read_text())}
+    assert rows["flash"]["tokens_per_s"] == 108.0 and rows["flash"]["rounds"] == [110.0, 106.0]
+    assert rows["sdpa"]["tokens_per_s"] == 101.0 and rows["naive"]["status"] == "OOM"
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        e2e.parse_args(["--rounds", "0"])
