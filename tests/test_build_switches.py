@@ -4,9 +4,8 @@ Each switch selects, with `if constexpr`, one of two schedules, and the default 
 so nothing else compiles it until a GPU build does. Here nvcc compiles the affected Hopper instantiations to PTX (no ptxas, a few
 seconds each) with and without the switch: with it, the source must compile, and a wgmma group must be waited for
 while another is in flight (`wgmma.wait_group.sync.aligned 1`: S_j before the warpgroup's own P V in the forward,
-dV and dQ_i before dK in the backward); without it, no such wait exists. FLASH_HD80_QK_DIM adds instantiations
-instead: with it the hd96 files hold, beside each Hopper kernel, one whose products over the head dim sum 80 columns.
-A build that names no switch is the build with each switch at the default docs/kernel_design.md gives it.
+dV and dQ_i before dK in the backward); without it, no such wait exists. A build that names no switch is the build
+with each switch at the default docs/kernel_design.md gives it.
 """
 
 import re
@@ -37,23 +36,3 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
     assert _waits(off).get(0) and not _waits(off).get(1), _waits(off)
     assert _waits(on).get(0) and _waits(on).get(1), _waits(on)
     assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"
-
-
-ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.M)
-
-
-@pytest.mark.parametrize("source, traits", [("flash_fwd_hdim96_bf16.cu", r"HopperFwdTraitsILi128ELi128ELi3E13__nv_bfloat16Li(\d+)E"),
-                                            ("flash_bwd_hdim96_bf16.cu", r"HopperBwdTraitsILi128E13__nv_bfloat16Li96ELi64ELi(\d+)EE")])
-def test_the_hd80_switch_adds_a_narrow_twin_of_each_hopper_kernel(source, traits, device_ptx):
-    """FLASH_HD80_QK_DIM=1: every Hopper kernel of the hd96 file (causal, non-causal, varlen) gains a twin whose traits
-    sum the head dim over 80 columns, the rest of the file unchanged; off, the file is the default build's."""
-    off, on = device_ptx(source, ["FLASH_HD80_QK_DIM=0"]), device_ptx(source, ["FLASH_HD80_QK_DIM=1"])
-    assert device_ptx(source, []) == off, "FLASH_HD80_QK_DIM's default is not 0"
-    sums = re.compile(traits)
-
-    def hopper_sums(ptx):  # the summed columns of each Hopper kernel's traits, one per entry
-        return sorted(int(m.group(1)) for name in ENTRY.findall(ptx) if (m := sums.search(name)))
-
-    assert hopper_sums(off) == [96] * 3, hopper_sums(off)
-    assert hopper_sums(on) == [80] * 3 + [96] * 3, hopper_sums(on)
-    assert len(ENTRY.findall(on)) == len(ENTRY.findall(off)) + 3

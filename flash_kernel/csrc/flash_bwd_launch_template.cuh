@@ -35,17 +35,6 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     });
 }
 
-// The Hopper kernel of HopperBwdConfig for this input: NarrowTraits for head dims up to its kNarrowDim, else Traits
-// (hopper_bwd_traits.h).
-template <typename Config>
-cudaError_t launch_bwd_hopper_config(const BwdParams& params, cudaStream_t stream) {
-    using Narrow = NarrowTraitsOf<Config>;
-    if constexpr (!std::is_same_v<typename Narrow::type, typename Config::Traits>) {
-        if (params.d <= Narrow::kMaxDim) return launch_bwd_hopper<typename Narrow::type>(params, stream);
-    }
-    return launch_bwd_hopper<typename Config::Traits>(params, stream);
-}
-
 // Alg. 2 lines 6-20 on sm80+ (flash_bwd_tiled_kernel.cuh): parallel over K/V blocks (or num_splits ordered
 // workers), heads (times the column splits), batch (varlen: sequences, the K/V blocks of max_seqlen_k). Varlen and
 // windowed calls (is_varlen_or_local) run the kernel that reads their bounds at run time.
@@ -114,10 +103,8 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
         static_assert(HopperBwdConfig<kHeadDim, Element>::Traits::kQKDim == kHeadDim,
                       "the Hopper kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
-        static_assert(NarrowTraitsOf<HopperBwdConfig<kHeadDim, Element>>::type::kQKDim == kHeadDim,
-                      "and so are those of the config's narrow variant");
         if (params.use_sm90 && !params.deterministic) {
-            FLASH_RETURN_IF_ERROR((launch_bwd_hopper_config<HopperBwdConfig<kHeadDim, Element>>(params, stream)));
+            FLASH_RETURN_IF_ERROR((launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream)));
             return launch_bwd_convert_dq<Element, kHeadDim, true>(params, stream);
         }
     }

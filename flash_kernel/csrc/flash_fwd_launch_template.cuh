@@ -54,18 +54,10 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     }
 }
 
-// The Hopper kernel of HopperFwdConfig for this input: NarrowTraits for head dims up to its kNarrowDim, else
-// ShortTraits below kLongKeys keys, Traits from there (hopper_kernel_traits.h).
+// The Hopper kernel of HopperFwdConfig for this input: ShortTraits below kLongKeys keys, Traits from there
+// (hopper_kernel_traits.h).
 template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
 cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
-    using Narrow = NarrowTraitsOf<Config>;
-    if constexpr (!std::is_same_v<typename Narrow::type, typename Config::Traits>) {
-        static_assert(std::is_same_v<typename Config::ShortTraits, typename Config::Traits>,
-                      "a narrow variant of a config with one key-block width");
-        if (params.d <= Narrow::kMaxDim) {
-            return launch_fwd_hopper<typename Narrow::type, kIsCausal, kVarlenOrLocal>(params, stream);
-        }
-    }
     if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
         if (params.seqlen_k < Config::kLongKeys) {
             return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);

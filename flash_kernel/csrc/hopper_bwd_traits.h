@@ -17,15 +17,13 @@
 
 namespace flash {
 
-// kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded), the width of dQ's rows;
-// kSumDim <= kQKDim the columns that S^T = K Q_i^T and dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96
-// run the 128-wide tiles with zero columns; kSumDim < kQKDim skips more of them, for head dims up to kSumDim).
-template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64, int kSumDim_ = kQKDim_>
+// kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded) that S^T = K Q_i^T and
+// dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96 run the 128-wide tiles with zero columns).
+template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64>
 struct HopperBwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kQKDim = kQKDim_;
-    static constexpr int kSumDim = kSumDim_;
     static constexpr int kNWarpgroups = 2;
     static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kBlockN = kNWarpgroups * kWarpgroupRows;  // keys per thread block, 64 per warpgroup
@@ -55,7 +53,7 @@ struct HopperBwdTraits {
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
-    static_assert(kSumDim % 16 == 0 && kSumDim <= kQKDim && kQKDim <= kHeadDim && kSumDim > kHeadDim - kSwizzleBlockElems,
+    static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
                   "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
@@ -75,9 +73,6 @@ template <typename E> struct HopperBwdConfig<64, E> {
 template <typename E> struct HopperBwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     using Traits = HopperBwdTraits<128, E, 96>;  // hd128's tiles, 6 of 8 k16 steps in S^T and dP^T
-    // FLASH_HD80_QK_DIM (hopper_kernel_traits.h): head dims up to 80 take 5 of 8 k16 steps in S^T and dP^T.
-    using NarrowTraits = std::conditional_t<kHd80QkDim, HopperBwdTraits<128, E, 96, 64, kHd80>, Traits>;
-    static constexpr int kNarrowDim = kHd80;
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;

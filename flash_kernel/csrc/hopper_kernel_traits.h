@@ -10,8 +10,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 #include "hopper_utils.cuh"
 #include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants, kMaxSmemBytesSm90
 
@@ -114,32 +112,6 @@ struct HopperFwdTraits {
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
-// FLASH_HD80_QK_DIM (off): head dims 65-80 (GPT3-2.7B's 80) run instantiations of the hd96 configs whose products
-// over the head dim (Q K^T forward; S^T and dP^T backward) take 5 k16 steps instead of 6. The 16 columns skipped are
-// zeros past d (TMA fills them), so each sum is the same; the P V, dV, dK and dQ products are unchanged.
-#ifndef FLASH_HD80_QK_DIM
-#define FLASH_HD80_QK_DIM 0
-#endif
-constexpr bool kHd80QkDim = FLASH_HD80_QK_DIM != 0;
-// FLASH_FWD_HD128_LONG_KEYS (2048): the key count from which the hd128 forward runs its 192-key blocks. A build with a
-// larger value keeps the 128-key blocks (with FLASH_FWD_INTRA_WG_OVERLAP_BC128, FA3's and FA4's hd128 tile with the
-// intra-warpgroup overlap) at every length it is timed at.
-#ifndef FLASH_FWD_HD128_LONG_KEYS
-#define FLASH_FWD_HD128_LONG_KEYS 2048
-#endif
-constexpr int kHd80 = 80;
-
-// A Hopper config's NarrowTraits, which runs head dims up to its kNarrowDim, or its Traits where it names none.
-template <typename Config, typename = void>
-struct NarrowTraitsOf {
-    using type = typename Config::Traits;
-    static constexpr int kMaxDim = 0;
-};
-template <typename Config>
-struct NarrowTraitsOf<Config, std::void_t<typename Config::NarrowTraits>> {
-    using type = typename Config::NarrowTraits;
-    static constexpr int kMaxDim = Config::kNarrowDim;
-};
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -162,17 +134,13 @@ template <typename E> struct HopperFwdConfig<96, E> {
     using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
-    // FLASH_HD80_QK_DIM: head dims up to 80 take 5 of 8 k16 steps in Q K^T.
-    using NarrowTraits =
-        std::conditional_t<kHd80QkDim, HopperFwdTraits<128, 128, 3, E, kHd80, 0, 2, kFwdIntraWgOverlapBc128>, Traits>;
-    static constexpr int kNarrowDim = kHd80;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
-    static constexpr int kLongKeys = FLASH_FWD_HD128_LONG_KEYS;
+    static constexpr int kLongKeys = 2048;
 };
 #endif
 
