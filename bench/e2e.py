@@ -33,6 +33,7 @@ Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), s
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -44,6 +45,8 @@ import time
 from collections import defaultdict
 from datetime import date, datetime, timezone
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
@@ -102,11 +105,12 @@ def _compose(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
-def _model_config(model: str, attention: str, seq_len: int = 1024, sets: tuple[str, ...] = ()) -> dict:
+@functools.lru_cache(maxsize=None)
+def _model_config(model: str, attention: str, seq_len: int = 1024, sets: tuple[str, ...] = ()) -> Mapping:
     """The preset's GPTConfig fields as train.py composes them (conf/train.yaml sets seq_len and attention), with
-    --set's fields."""
-    return dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}",
-                          *(f"model.{item}" for item in sets)]).model)
+    --set's fields; composed once per case (every row's labels read them, in every round), read-only."""
+    return MappingProxyType(dict(_compose([f"model={model}", f"attention={attention}", f"seq_len={seq_len}",
+                                           *(f"model.{item}" for item in sets)]).model))
 
 
 def batch_and_accumulation(tokens_per_step: int, seq_len: int, micro_batch: int | None) -> tuple[int, int]:
