@@ -297,9 +297,11 @@ def _batch(batch: int, accumulation: int) -> str:
     return f"{batch}" if accumulation == 1 else f"{batch} × {accumulation} acc."
 
 
-def _masking(r: dict) -> str:
-    """The attention word of a row and whether it masked documents (one bar each in the figure)."""
-    return f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
+def _bar(r: dict) -> str:
+    """The attention word of a row, whether it masked documents and the model fields --set changed: one bar each in
+    the figure, so a run with other options never stands in for the default's latest."""
+    name = f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
+    return f"{name}, {r['set']}" if r.get("set") else name
 
 
 def residual_dtype(model: str, sets: tuple[str, ...] = ()) -> str:
@@ -374,18 +376,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def latest_bars(rows: list[dict]) -> dict[tuple, dict]:
+    """The figure's bars: (model, T, batch, accumulation, bar name, compile, GPUs, strategy) -> the latest row. One bar
+    per attention word and case (the table keeps every kernel version and residual dtype; a bar for each made the
+    figure too wide to read). Rows from before the "run" field count as the oldest."""
+    return {(r["model"], r["seq_len"], r["batch"], _accumulation(r), _bar(r), r["compile"], *_gpus(r)): r
+            for r in sorted(rows, key=lambda r: r.get("run") or "")}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # One bar per attention word and case: its latest row (the table keeps every kernel version and residual
-    # dtype; a bar for each made the figure too wide to read). Rows from before the "run" field sort first.
-    pipe = sorted((r for r in rows if r["mode"] == "pipeline"), key=lambda r: r.get("run") or "")
-    groups = sorted({(r["model"], r["seq_len"], r["batch"], _accumulation(r)) for r in pipe})
-    by_case = {(r["model"], r["seq_len"], r["batch"], _accumulation(r), _masking(r), r["compile"], *_gpus(r)): r
-               for r in pipe}
+    pipe = [r for r in rows if r["mode"] == "pipeline"]
+    by_case = latest_bars(pipe)
+    groups = sorted({case[:4] for case in by_case})
     variants = sorted({case[4:] for case in by_case})
     if not groups:
         return

@@ -36,6 +36,18 @@ def test_table_ratio_oom_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_a_bar_is_the_latest_row_of_its_options():
+    """A later run with other model fields (--set) gets a bar of its own and never stands in for the default's; a
+    later run of the same options (another kernel version) replaces its bar."""
+    default = {**_row("pipeline", "flash", 190.0), "kernel": "v1", "run": "a"}
+    fused = {**_row("pipeline", "flash", 195.0), "kernel": "v1", "set": "fused_add_norm=true", "run": "b"}
+    newer = {**_row("pipeline", "flash", 192.0), "kernel": "v2", "run": "c"}
+    bars = e2e.latest_bars([fused, default])
+    assert sorted(r["tokens_per_s"] for r in bars.values()) == [190.0, 195.0]
+    bars = e2e.latest_bars([newer, fused, default])
+    assert sorted(r["tokens_per_s"] for r in bars.values()) == [192.0, 195.0]
+
+
 def test_ratio_only_pairs_rows_of_one_run():
     rows = [{**_row("pipeline", "flash", 190.0), "run": "b"}, {**_row("bare", "flash", 200.0), "run": "a"}]
     flash_line = next(line for line in e2e.table(rows).splitlines() if "| flash |" in line)
