@@ -21,6 +21,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss torch  # loss=torch rows
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --set fused_add_norm=true  # model fields
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --modes pipeline --rounds 3 \
+        --vs fused_add_norm=true fused_bias_gelu=true     # default, fused, default, fused, ...: the options timed
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash flex sdpa --document-mask both \
         --modes pipeline                                  # document masking beside the unmasked rows
 
@@ -423,6 +425,16 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def variants(sets: list[str], vs: list[str]) -> list[tuple[str, ...]]:
+    """The model fields each case runs with: --set's, and with --vs also --set's updated by --vs's (a key in both
+    takes --vs's value), each a sorted tuple of key=value items."""
+    first = {item.partition("=")[0]: item for item in sets}
+    out = [tuple(sorted(first.values()))]
+    if vs:
+        out.append(tuple(sorted({**first, **{item.partition("=")[0]: item for item in vs}}.values())))
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt3-1.3b", "gpt3-2.7b"])
@@ -451,13 +463,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(e.g. v33+overlap-bc128); default flash_kernel.KERNEL_VERSION")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="model fields for every case, after the preset (e.g. fused_add_norm=true); rows name them")
+    ap.add_argument("--vs", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="model fields of a second variant of every case, after --set's, run in turn with the first "
+                         "(in every round): e.g. --vs fused_add_norm=true times the option beside the default")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
     args.loss = args.loss or _compose([]).loss
     args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
-    parse_sets(args.set)  # a malformed item stops here, before any case runs
-    args.set = tuple(sorted(args.set))
+    parse_sets(args.set + args.vs)  # a malformed item stops here, before any case runs
+    args.variants = variants(args.set, args.vs)
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: run every case at least once")
     return args
@@ -481,32 +496,34 @@ def main(argv: list[str] | None = None) -> None:
         attentions = sorted(args.attentions, key=lambda a: a == "naive")
         new = {}
         runs = defaultdict(list)  # (case, mode) -> its result in each round so far
-        cases = list(itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus, masks))
+        cases = list(itertools.product(args.models, args.seqlens, attentions, compiles, args.gpus, masks,
+                                       args.variants))
         # Rounds run every case in turn, so that a drift of the GPU's clocks or temperature over the run reaches
         # every case alike (METHOD: medians over interleaved rounds).
-        for rnd, (model, T, attn, comp, gpus, docs) in ((i, c) for i in range(args.rounds) for c in cases):
+        for rnd, (model, T, attn, comp, gpus, docs, sets) in ((i, c) for i in range(args.rounds) for c in cases):
             strategy = args.strategy if gpus > 1 else "single"
             B, K = args.batches[T]
             # the bare loop is single-GPU, and has no data: no documents
             for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
-                done = runs[(model, T, attn, comp, gpus, docs, mode)]
+                done = runs[(model, T, attn, comp, gpus, docs, sets, mode)]
                 if done and done[-1]["status"] != "ok":
                     continue  # out of memory (or failed) once: not run again
                 t0 = time.perf_counter()
                 done.append(run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss,
-                                     docs, K, args.set))
+                                     docs, K, sets))
                 r = combine_rounds(done)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                         **({"accumulation": K} if K > 1 else {}), **({"set": " ".join(args.set)} if args.set else {}),
-                         gpus=gpus, strategy=strategy, residual=residual_dtype(model, args.set), loss=args.loss,
-                         qkv="views" if docs else qkv_layout(model, attn, args.set),  # documents: q, k, v views
+                         **({"accumulation": K} if K > 1 else {}), **({"set": " ".join(sets)} if sets else {}),
+                         gpus=gpus, strategy=strategy, residual=residual_dtype(model, sets), loss=args.loss,
+                         qkv="views" if docs else qkv_layout(model, attn, sets),  # documents: q, k, v views
                          **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}))
-                new[(model, T, attn, comp, gpus, docs, mode)] = r
+                new[(model, T, attn, comp, gpus, docs, sets, mode)] = r
                 this = done[-1]
                 print(
                     f"[e2e] {mode:8s} {model} {_batch(B, K)}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
-                    f"{'document mask ' if docs else ''}{f'round {rnd + 1}/{args.rounds} ' if args.rounds > 1 else ''}"
+                    f"{'document mask ' if docs else ''}{' '.join((*sets, '')) if len(args.variants) > 1 else ''}"
+                    f"{f'round {rnd + 1}/{args.rounds} ' if args.rounds > 1 else ''}"
                     f"-> {this['status']} {_fmt(this, 'tokens_per_s')} tok/s/GPU {_fmt(this, 'tflops_per_gpu', 1, 1)} "
                     f"TFLOP/s MFU {_fmt(this, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
                     flush=True,

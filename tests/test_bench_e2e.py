@@ -176,13 +176,14 @@ def test_set_model_fields_reach_train_py_and_name_their_rows(tmp_path):
     """--set's fields follow the preset in train.py's overrides (and in the labels' config: an fp32 residual set here
     is what the row says); its rows are a case of their own; a malformed item stops before any case runs."""
     args = e2e.parse_args(["--seqlens", "8192", "--set", "fused_bias_gelu=true", "fused_add_norm=true"])
-    assert args.set == ("fused_add_norm=true", "fused_bias_gelu=true")
-    overrides = e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 15, 5, sets=args.set)
+    [sets] = args.variants
+    assert sets == ("fused_add_norm=true", "fused_bias_gelu=true")
+    overrides = e2e._overrides("gpt3-1.3b", 8192, 2, "flash", False, 15, 5, sets=sets)
     assert overrides[-2:] == ["model.fused_add_norm=true", "model.fused_bias_gelu=true"]
     assert e2e.residual_dtype("gpt3-1.3b", ("fp32_residual=true",)) == "fp32"
     assert e2e.residual_dtype("gpt3-1.3b") == "bf16"
     plain = _row("pipeline", "flash", 200.0)
-    fused = {**_row("pipeline", "flash", 204.0), "set": " ".join(args.set)}
+    fused = {**_row("pipeline", "flash", 204.0), "set": " ".join(sets)}
     rows = e2e.merge(tmp_path / "e2e.json", [plain, fused])
     assert len(rows) == 2
     assert e2e._attention(fused) == "flash, fused_add_norm=true fused_bias_gelu=true"
@@ -228,3 +229,33 @@ def test_rounds_alternate_the_cases_and_skip_what_ran_out_of_memory(tmp_path, mo
     assert rows["sdpa"]["tokens_per_s"] == 101.0 and rows["naive"]["status"] == "OOM"
     with pytest.raises(SystemExit, match="--rounds 0"):
         e2e.parse_args(["--rounds", "0"])
+
+
+def test_vs_runs_a_second_variant_of_every_case_in_turn(tmp_path, monkeypatch):
+    """--vs adds a variant with more model fields (after --set's, its value winning a shared key); every round runs
+    the default and the variant one after the other, and each variant's rows are a case of their own."""
+    import torch
+
+    assert e2e.variants(["fp32_residual=true"], ["fused_add_norm=true", "fp32_residual=false"]) == [
+        ("fp32_residual=true",), ("fp32_residual=false", "fused_add_norm=true")]
+    assert e2e.variants([], []) == [()]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
+    monkeypatch.setattr(e2e, "can_plot", lambda script: False)
+    order, rates = [], {(): iter([100.0, 104.0]), ("fused_add_norm=true",): iter([110.0, 106.0])}
+
+    def fake_run_case(mode, model, T, B, attn, comp, warmup, steps, gpus, strategy, loss, docs, K, sets):
+        order.append(sets)
+        t = next(rates[sets])
+        return {"status": "ok", "tokens_per_s": t, "tflops_per_gpu": t, "mfu": t / 1000, "peak_mem_gib": 1.0}
+
+    monkeypatch.setattr(e2e, "run_case", fake_run_case)
+    out = tmp_path / "e2e.json"
+    e2e.main(["--models", "gpt3-125m", "--seqlens", "1024", "--attentions", "flash", "--modes", "pipeline",
+              "--rounds", "2", "--vs", "fused_add_norm=true", "--out", str(out)])
+    assert order == [(), ("fused_add_norm=true",)] * 2
+    rows = {r.get("set"): r for r in json.loads(out.read_text())}
+    assert rows[None]["tokens_per_s"] == 102.0 and rows["fused_add_norm=true"]["tokens_per_s"] == 108.0
+    with pytest.raises(SystemExit, match="expected key=value"):
+        e2e.parse_args(["--vs", "fused_add_norm"])
