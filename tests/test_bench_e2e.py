@@ -201,23 +201,33 @@ def test_rounds_combine_to_medians_and_a_failed_round_is_the_result():
     assert e2e.combine_rounds([*runs, {"status": "OOM"}]) == {"status": "OOM"}
 
 
-def test_rounds_alternate_the_cases_and_skip_what_ran_out_of_memory(tmp_path, monkeypatch):
-    """--rounds 2 runs sdpa, flash, naive, then again: the table shows medians; naive, out of memory in round 1, is not
-    run again."""
+def _measured(tokens_per_s):
+    """run_case's result for a case that ran."""
+    t = tokens_per_s
+    return {"status": "ok", "tokens_per_s": t, "tflops_per_gpu": t, "mfu": t / 1000, "peak_mem_gib": 1.0}
+
+
+@pytest.fixture
+def one_fake_gpu(monkeypatch):
+    """main() on a CPU as if one GPU were there (run_case is the test's), with no figure drawn."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
     monkeypatch.setattr(e2e, "can_plot", lambda script: False)
+
+
+def test_rounds_alternate_the_cases_and_skip_what_ran_out_of_memory(tmp_path, monkeypatch, one_fake_gpu):
+    """--rounds 2 runs sdpa, flash, naive, then again: the table shows medians; naive, out of memory in round 1, is not
+    run again."""
     order, rates = [], {"sdpa": iter([100.0, 102.0]), "flash": iter([110.0, 106.0])}
 
     def fake_run_case(mode, model, T, B, attn, *rest):
         order.append(attn)
         if attn == "naive":
             return {"status": "OOM"}
-        t = next(rates[attn])
-        return {"status": "ok", "tokens_per_s": t, "tflops_per_gpu": t, "mfu": t / 1000, "peak_mem_gib": 1.0}
+        return _measured(next(rates[attn]))
 
     monkeypatch.setattr(e2e, "run_case", fake_run_case)
     out = tmp_path / "e2e.json"
@@ -231,24 +241,17 @@ def test_rounds_alternate_the_cases_and_skip_what_ran_out_of_memory(tmp_path, mo
         e2e.parse_args(["--rounds", "0"])
 
 
-def test_vs_runs_a_second_variant_of_every_case_in_turn(tmp_path, monkeypatch):
+def test_vs_runs_a_second_variant_of_every_case_in_turn(tmp_path, monkeypatch, one_fake_gpu):
     """--vs adds a variant with more model fields (after --set's, its value winning a shared key); every round runs
     the default and the variant one after the other, and each variant's rows are a case of their own."""
-    import torch
-
     assert e2e.variants(["fp32_residual=true"], ["fused_add_norm=true", "fp32_residual=false"]) == [
         ("fp32_residual=true",), ("fp32_residual=false", "fused_add_norm=true")]
     assert e2e.variants([], []) == [()]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
-    monkeypatch.setattr(e2e, "can_plot", lambda script: False)
     order, rates = [], {(): iter([100.0, 104.0]), ("fused_add_norm=true",): iter([110.0, 106.0])}
 
     def fake_run_case(mode, model, T, B, attn, comp, warmup, steps, gpus, strategy, loss, docs, K, sets):
         order.append(sets)
-        t = next(rates[sets])
-        return {"status": "ok", "tokens_per_s": t, "tflops_per_gpu": t, "mfu": t / 1000, "peak_mem_gib": 1.0}
+        return _measured(next(rates[sets]))
 
     monkeypatch.setattr(e2e, "run_case", fake_run_case)
     out = tmp_path / "e2e.json"
