@@ -300,8 +300,8 @@ def _batch(batch: int, accumulation: int) -> str:
 
 
 def _bar(r: dict) -> str:
-    """The attention word of a row, whether it masked documents and the model fields --set changed: one bar each in
-    the figure, so a run with other options never stands in for the default's latest."""
+    """The attention word of a row, whether it masked documents and the model fields it set (--set, --vs): one bar
+    each in the figure, so a run with other options never stands in for the default's latest."""
     name = f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
     return f"{name}, {r['set']}" if r.get("set") else name
 
