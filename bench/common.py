@@ -1,5 +1,5 @@
 """What the benchmark scripts share: file names per device, results merged by key, the rates a training run
-logged, figures only where matplotlib is installed, a step's wall time, and the model fields --set changes."""
+logged, figures only where matplotlib is installed, a step's wall time, and options' key=value items."""
 
 from __future__ import annotations
 
@@ -100,12 +100,14 @@ def join_torchrun_group() -> int:
     return local
 
 
-def parse_sets(items: list[str]) -> dict:
-    """--set's key=value items (GPTConfig fields) -> {key: value}, each value read as Hydra reads an override."""
+def parse_sets(items: list[str], option: str = "--set",
+               what: str = "a GPTConfig field (e.g. fp32_residual=true)") -> dict:
+    """An option's key=value items (--set's: GPTConfig fields) -> {key: value}, each value read as Hydra reads an
+    override; a malformed item stops the script, naming the option and what its keys are."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set {item!r}: expected key=value, a GPTConfig field (e.g. fp32_residual=true)")
+            raise SystemExit(f"{option} {item!r}: expected key=value, {what}")
         out[key] = yaml.safe_load(value)  # true -> True, 0.1 -> 0.1, sdpa -> 'sdpa'
     return out

@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.loss = args.loss or _compose([]).loss
     args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
-    parse_sets(args.set + args.vs)  # a malformed item stops here, before any case runs
+    parse_sets(args.set), parse_sets(args.vs, "--vs")  # a malformed item stops here, before any case runs
     args.variants = variants(args.set, args.vs)
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: run every case at least once")

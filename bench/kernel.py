@@ -61,7 +61,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/kernel.py` from anywhere imports the repo's flash_kernel
 
-from bench.common import can_plot, device_slug, save_figure  # noqa: E402
+from bench.common import can_plot, device_slug, parse_sets, save_figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kernel.json"
 TOKENS = 16 * 1024  # B * T, the paper's fixed token count
@@ -603,18 +603,16 @@ def parse_args(argv=None):
 
 
 def _parse_overrides(p: argparse.ArgumentParser, pairs: list[str]) -> dict[str, int | str]:
-    """KEY=VALUE pairs -> set_kernel_overrides' keyword arguments (integers where the value is one); an unknown switch
-    or a pair without '=' is a usage error naming the switches there are."""
+    """KEY=VALUE pairs -> set_kernel_overrides' keyword arguments (values read as bench/common.py parse_sets reads
+    them: 1 -> 1, sm80 -> 'sm80'); an unknown switch or a pair without '=' stops here, naming the switches there are."""
     from flash_kernel.interface import set_kernel_overrides
 
     known = list(inspect.signature(set_kernel_overrides).parameters)
-    overrides: dict[str, int | str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in known:
-            p.error(f"--candidate-overrides takes KEY=VALUE pairs of set_kernel_overrides' switches ({', '.join(known)}), "
-                    f"got {pair!r}")
-        overrides[key] = int(value) if value.lstrip("-").isdigit() else value
+    switches = f"set_kernel_overrides' switches ({', '.join(known)})"
+    overrides = parse_sets(pairs, "--candidate-overrides", f"a key of {switches}")
+    for key in overrides:
+        if key not in known:
+            p.error(f"--candidate-overrides takes KEY=VALUE pairs of {switches}, got {key!r}")
     return overrides
 
 
