@@ -282,12 +282,19 @@ def _attention(r: dict) -> str:
     Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views. Rows of
     loss=fused (model/cross_entropy.py) end in ', fused loss'; rows with data.document_mask=true say so:
     'flash vN, document mask, ...'; rows run with --set name its model fields last: '..., fused_add_norm=true'."""
-    name = f"{r['attention']} {r['kernel']}" if r.get("kernel") else r["attention"]
-    name = f"{name}, document mask" if r.get("document_mask") else name
-    name = f"{name}, bf16 residual" if r.get("residual") == "bf16" else name
-    name = f"{name}, qkv packed" if r.get("qkv") == "packed" else name
-    name = f"{name}, fused loss" if r.get("loss") == "fused" else name
-    return f"{name}, {r['set']}" if r.get("set") else name
+    return _label(r, details=True)
+
+
+def _label(r: dict, details: bool) -> str:
+    """A row's attention word, document masking and --set / --vs fields; with details also its kernel version,
+    residual dtype, qkv layout and loss (_attention's order)."""
+    parts = [f"{r['attention']} {r['kernel']}" if details and r.get("kernel") else r["attention"]]
+    parts += ["document mask"] if r.get("document_mask") else []
+    if details:
+        parts += ["bf16 residual"] if r.get("residual") == "bf16" else []
+        parts += ["qkv packed"] if r.get("qkv") == "packed" else []
+        parts += ["fused loss"] if r.get("loss") == "fused" else []
+    return ", ".join([*parts, *([r["set"]] if r.get("set") else [])])
 
 
 def _accumulation(r: dict) -> int:
@@ -302,8 +309,7 @@ def _batch(batch: int, accumulation: int) -> str:
 def _bar(r: dict) -> str:
     """The attention word of a row, whether it masked documents and the model fields it set (--set, --vs): one bar
     each in the figure, so a run with other options never stands in for the default's latest."""
-    name = f"{r['attention']}, document mask" if r.get("document_mask") else r["attention"]
-    return f"{name}, {r['set']}" if r.get("set") else name
+    return _label(r, details=False)
 
 
 def residual_dtype(model: str, sets: tuple[str, ...] = ()) -> str:
@@ -428,11 +434,11 @@ def plot(rows: list[dict], path: Path) -> None:
 def variants(sets: list[str], vs: list[str]) -> list[tuple[str, ...]]:
     """The model fields each case runs with: --set's, and with --vs also --set's updated by --vs's (a key in both
     takes --vs's value), each a sorted tuple of key=value items."""
-    first = {item.partition("=")[0]: item for item in sets}
-    out = [tuple(sorted(first.values()))]
-    if vs:
-        out.append(tuple(sorted({**first, **{item.partition("=")[0]: item for item in vs}}.values())))
-    return out
+    def by_key(items: list[str]) -> dict[str, str]:
+        return {item.partition("=")[0]: item for item in items}
+
+    both = [by_key(sets), {**by_key(sets), **by_key(vs)}] if vs else [by_key(sets)]
+    return [tuple(sorted(fields.values())) for fields in both]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -503,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         for rnd, (model, T, attn, comp, gpus, docs, sets) in ((i, c) for i in range(args.rounds) for c in cases):
             strategy = args.strategy if gpus > 1 else "single"
             B, K = args.batches[T]
+            variant = " ".join(sets)  # the row's "set" field; "" for the preset as it is
             # the bare loop is single-GPU, and has no data: no documents
             for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
                 done = runs[(model, T, attn, comp, gpus, docs, sets, mode)]
@@ -513,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
                                      docs, K, sets))
                 r = combine_rounds(done)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
-                         **({"accumulation": K} if K > 1 else {}), **({"set": " ".join(sets)} if sets else {}),
+                         **({"accumulation": K} if K > 1 else {}), **({"set": variant} if variant else {}),
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model, sets), loss=args.loss,
                          qkv="views" if docs else qkv_layout(model, attn, sets),  # documents: q, k, v views
                          **({"kernel": kernel} if attn == "flash" else {}),
@@ -522,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
                 this = done[-1]
                 print(
                     f"[e2e] {mode:8s} {model} {_batch(B, K)}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
-                    f"{'document mask ' if docs else ''}{' '.join((*sets, '')) if len(args.variants) > 1 else ''}"
+                    f"{'document mask ' if docs else ''}{variant + ' ' if variant and len(args.variants) > 1 else ''}"
                     f"{f'round {rnd + 1}/{args.rounds} ' if args.rounds > 1 else ''}"
                     f"-> {this['status']} {_fmt(this, 'tokens_per_s')} tok/s/GPU {_fmt(this, 'tflops_per_gpu', 1, 1)} "
                     f"TFLOP/s MFU {_fmt(this, 'mfu', 100, 1)}% ({time.perf_counter() - t0:.0f}s)",
