@@ -354,12 +354,11 @@ class GPT(nn.Module):
         rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_base, dtype) if self.cfg.pos_emb == "rope" else None
         pending = None  # with fused_add_norm: the last block's MLP output, not yet added to x (Block.forward)
         for block in self.blocks:
-            extra = (pending,) if self.cfg.fused_add_norm else ()
             if self.cfg.activation_checkpointing and self.training:
                 # recompute each block in backward: trades ~1/3 more compute for O(L) fewer activations
-                out = checkpoint(block, x, rope, None, mask, *extra, use_reentrant=False)
+                out = checkpoint(block, x, rope, None, mask, pending, use_reentrant=False)
             else:
-                out = block(x, rope, cache, mask, *extra)
+                out = block(x, rope, cache, mask, pending)
             x, pending = out if self.cfg.fused_add_norm else (out, None)
         if cache is not None:
             cache.length += T
