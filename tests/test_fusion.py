@@ -134,9 +134,8 @@ def test_off_the_gpu_the_plain_functions_run(monkeypatch):
                                rtol=0, atol=0)
 
 
-FUSED_OPTIONS = {"gpt3": dict(fused_add_norm=True, fused_bias_gelu=True),
-                 "llama": dict(fused_add_norm=True, n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu",
-                               bias=False)}
+LLAMA = dict(n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)  # the Llama-style options
+FUSED_OPTIONS = {"gpt3": dict(fused_add_norm=True, fused_bias_gelu=True), "llama": dict(fused_add_norm=True, **LLAMA)}
 
 
 def _off_init(model: GPT) -> GPT:
@@ -253,12 +252,7 @@ def test_compiled_on_the_gpu_within_twice_the_plain_functions_error(case, dtype,
         assert err <= 2 * err_plain + 1e-6, f"{case} value {i}: max error {err:.2e}, plain {dtype}'s {err_plain:.2e}"
 
 
-GPU_MODELS = {
-    "llama": dict(n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False),
-    "llama_fused_add_norm": dict(n_kv_head=2, pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False,
-                                 fused_add_norm=True),
-    "gpt3_fused": dict(fused_add_norm=True, fused_bias_gelu=True),
-}
+GPU_MODELS = {"llama": LLAMA, "llama_fused_add_norm": FUSED_OPTIONS["llama"], "gpt3_fused": FUSED_OPTIONS["gpt3"]}
 
 
 @needs_cuda
