@@ -2,12 +2,14 @@
 buckets (bucket_cap_mb, fp32 or bf16) and the tied embedding's last bucket cost on the wire.
 
 Each protocol runs in its own torchrun world (NCCL reads NCCL_PROTO when the communicator starts); "auto"
-leaves the choice to NCCL's tuner. Sizes are the buffer's bytes; times are CUDA-event medians of --iters
-calls after --warmup. algbw = bytes / time; busbw = algbw · 2(W-1)/W (what each link carries, the figure
+leaves the choice to NCCL's tuner, and "copy_engine" is not NCCL's: model/copy_engine.py's mean on the copy
+engines (fp32 only; its rows time a bucket's copies, mean and barriers on its own stream). Sizes are the
+buffer's bytes; times are CUDA-event medians of --iters calls after --warmup. algbw = bytes / time; busbw = algbw · 2(W-1)/W (what each link carries, the figure
 nccl-tests prints). The transport lines NCCL logs (P2P, SHM, NVLS) come first.
 
     python bench/allreduce.py                            # every GPU, protocols auto LL LL128 Simple
     python bench/allreduce.py --protocols auto Simple --sizes-mb 25 412
+    python bench/allreduce.py --protocols auto copy_engine --dtypes fp32
 
 Rows merge into bench/results/allreduce.json, keyed by GPU, GPU count, protocol, dtype and size.
 """
@@ -32,19 +34,25 @@ if str(REPO) not in sys.path:
 from bench.common import join_torchrun_group, merge_file  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-PROTOCOLS = ("auto", "LL", "LL128", "Simple")
+PROTOCOLS = ("auto", "LL", "LL128", "Simple", "copy_engine")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRANSPORT = re.compile(r"via (P2P|SHM|NET)|coll channels|NVLS")
 
 
-def worker(sizes_mb: list[float], dtypes: list[str], warmup: int, iters: int) -> None:
-    """One rank: time all_reduce of each size and dtype; rank 0 prints one JSON line per case."""
+def worker(sizes_mb: list[float], dtypes: list[str], warmup: int, iters: int, copy_engine: bool) -> None:
+    """One rank: time all_reduce (or, with copy_engine, model/copy_engine.py's mean) of each size and dtype;
+    rank 0 prints one JSON line per case."""
     import torch.distributed as dist
+
+    from model.copy_engine import CopyEngineAllReduce
 
     join_torchrun_group()
     world = dist.get_world_size()
+    mean = CopyEngineAllReduce() if copy_engine else None
     for name in dtypes:
         dtype = DTYPES[name]
+        if mean is not None and dtype != torch.float32:
+            continue
         for mb in sizes_mb:
             x = torch.ones(int(mb * 2**20) // dtype.itemsize, dtype=dtype, device="cuda")
             times = []
@@ -52,7 +60,10 @@ def worker(sizes_mb: list[float], dtypes: list[str], warmup: int, iters: int) ->
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 dist.barrier()
                 start.record()
-                dist.all_reduce(x)
+                if mean is None:
+                    dist.all_reduce(x)
+                else:
+                    mean(x).wait()  # the current stream waits for the copy engines' stream
                 end.record()
                 torch.cuda.synchronize()
                 if i >= warmup:
@@ -69,11 +80,13 @@ def run_protocol(protocol: str, gpus: int, args: argparse.Namespace) -> tuple[li
     """(rows, NCCL transport lines) of one torchrun world under NCCL_PROTO=protocol."""
     env = {**os.environ, "NCCL_DEBUG": "INFO"}
     env.pop("NCCL_PROTO", None)
-    if protocol != "auto":
+    if protocol not in ("auto", "copy_engine"):
         env["NCCL_PROTO"] = protocol
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", __file__,
            "--worker", "--sizes-mb", *map(str, args.sizes_mb), "--dtypes", *args.dtypes,
            "--warmup", str(args.warmup), "--iters", str(args.iters)]
+    if protocol == "copy_engine":
+        cmd.append("--copy-engine")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"NCCL_PROTO={protocol}: torchrun exited {proc.returncode}\n{proc.stderr[-2000:]}")
@@ -95,9 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=180, help="seconds per protocol")
     ap.add_argument("--out", type=Path, default=RESULTS / "allreduce.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--copy-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.sizes_mb, args.dtypes, args.warmup, args.iters)
+        return worker(args.sizes_mb, args.dtypes, args.warmup, args.iters, args.copy_engine)
     gpus = args.gpus or torch.cuda.device_count()
     if gpus < 2:
         raise SystemExit(f"bench/allreduce.py needs 2 or more GPUs; this machine has {torch.cuda.device_count()}")

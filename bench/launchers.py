@@ -69,6 +69,12 @@ LAUNCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_sm_carveout_8": ("python", ("trainer.strategy.sm_carveout=8",)),
     "ddp_sm_carveout_4_backward": ("python", ("trainer.strategy.sm_carveout=4",
                                               "trainer.strategy.sm_carveout_scope=backward")),
+    "ddp_copy_engine": ("python", ("trainer.strategy.comm_hook=copy_engine",)),
+    "ddp_copy_engine_bucket_100mb": ("python", ("trainer.strategy.comm_hook=copy_engine",
+                                                "trainer.strategy.bucket_cap_mb=100")),
+    "ddp_copy_engine_sm_carveout_1": ("python", ("trainer.strategy.comm_hook=copy_engine",
+                                                 "trainer.strategy.sm_carveout=1",
+                                                 "trainer.strategy.sm_carveout_scope=backward")),
 }
 
 

@@ -11,13 +11,15 @@ memset running), where the GPU waits for the host.
 
 Under torchrun (WORLD_SIZE > 1) the step runs in DDP with conf/trainer/strategy/data_parallel.yaml's settings
 (--reduce-dtype and --sm-carveout are its keys of the same names; --hook torch runs torch's own all-reduce
-instead of model/allreduce.py's), and rank 0 also reports how the gradient all-reduce meets compute: the time
-NCCL kernels run, the part of it with no other kernel running (exposed), and the CTAs (SMs) NCCL takes. The
-compute categories beside the one-GPU profile of the same case show what the overlap costs compute.
+instead of model/allreduce.py's, --hook copy_engine the copy engines', as comm_hook=copy_engine), and rank 0
+also reports how the gradient all-reduce meets compute: the time NCCL kernels run, the part of it with no other
+kernel running (exposed), and the CTAs (SMs) NCCL takes. The compute categories beside the one-GPU profile of the
+same case show what the overlap costs compute.
 
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --sm-carveout 4
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook torch
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook copy_engine
 
 Rows merge into bench/results/profile.json, keyed by device and case (model, T, attention, compile, --set, and
 the world size, all-reduce, reduce dtype, carve-out and NCCL protocol).
@@ -163,25 +165,31 @@ def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, lis
 
 def ddp_wrap(reduce_dtype: str, sm_carveout: int, hook: str):
     """Join torchrun's process group and return a function that wraps the GPT in DDP as the pipeline's
-    trainer=ddp does (conf/trainer/strategy/data_parallel.yaml, model/allreduce.py's hook); hook="torch":
-    torch's own all-reduce (a divide kernel, then a sum), fp32 only."""
+    trainer=ddp does (conf/trainer/strategy/data_parallel.yaml, model/allreduce.py's hooks); hook="torch":
+    torch's own all-reduce (a divide kernel, then a sum), fp32 only; hook="copy_engine": every bucket but the
+    last on the copy engines, fp32 only."""
     from torch.nn.parallel import DistributedDataParallel
 
     from bench.common import join_torchrun_group
-    from model.allreduce import AllReduceState, average_hook, slim_group
+    from model.allreduce import AllReduceState, CopyEngineState, average_hook, copy_engine_hook, slim_group
     from model.distributed import DTYPES
 
     local = join_torchrun_group()
     conf = yaml.safe_load(DDP_CONF.read_text())
     settings = {k: conf[k] for k in DDP_KWARGS}
-    if hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
-        raise SystemExit("--hook torch is torch's fp32 all-reduce: no --reduce-dtype bf16, no --sm-carveout")
-    state = AllReduceState(dtype=DTYPES[reduce_dtype], slim=slim_group(sm_carveout) if sm_carveout else None)
+    if hook != "average" and reduce_dtype != "fp32":
+        raise SystemExit(f"--hook {hook} is an fp32 all-reduce: no --reduce-dtype bf16")
+    if hook == "torch" and sm_carveout:
+        raise SystemExit("--hook torch runs on every SM: no --sm-carveout")
+    slim = slim_group(sm_carveout) if sm_carveout and hook == "average" else None
+    state = AllReduceState(dtype=DTYPES[reduce_dtype], slim=slim)
+    if hook == "copy_engine":
+        state = CopyEngineState.for_buckets(settings["bucket_cap_mb"], last=state)
 
     def wrap(gpt):
         ddp = DistributedDataParallel(gpt, device_ids=[local], **settings)
-        if hook == "average":
-            ddp.register_comm_hook(state, average_hook)
+        if hook != "torch":
+            ddp.register_comm_hook(state, copy_engine_hook if hook == "copy_engine" else average_hook)
         return ddp
 
     return wrap
@@ -234,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32", help="the dtype on DDP's wire (torchrun)")
     ap.add_argument("--sm-carveout", type=int, default=0, help="SMs left to NCCL (model/distributed.set_sm_carveout)")
-    ap.add_argument("--hook", choices=["average", "torch"], default="average",
-                    help="DDP's all-reduce: model/allreduce.py's (the pipeline's) or torch's own")
+    ap.add_argument("--hook", choices=["average", "torch", "copy_engine"], default="average",
+                    help="DDP's all-reduce: model/allreduce.py's (the pipeline's), torch's own, or the copy engines'")
     ap.add_argument("--nccl-protocol", choices=["LL", "LL128", "Simple"], default=None,
                     help="NCCL_PROTO (default: NCCL's choice per message size)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")

@@ -12,6 +12,9 @@ SMs for longer, which backward hides; the last bucket, ready only when backward 
 embedding's gradient: the embedding lookup's backward is the last op), overlaps nothing, so it goes on the
 world's communicator, at full speed.
 
+copy_engine_hook moves every bucket but the last on the GPUs' copy engines instead (model/copy_engine.py): SMs
+run only each bucket's mean and two one-CTA barriers, and the last bucket goes on NCCL at full speed as above.
+
 The annotations stay evaluated (no `from __future__ import annotations`): DDP's register_comm_hook compares the
 hook's annotations with dist.GradBucket and torch.futures.Future[torch.Tensor] and refuses strings.
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from model.copy_engine import CopyEngineAllReduce
 
 
 @dataclass
@@ -51,3 +56,25 @@ def average_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.future
         return grads
 
     return work.get_future().then(back_to_grads)
+
+
+@dataclass
+class CopyEngineState:
+    """What copy_engine_hook needs: the copy-engine all-reduce and the NCCL setting for the last bucket."""
+
+    copy_engines: CopyEngineAllReduce
+    last: AllReduceState
+
+    @classmethod
+    def for_buckets(cls, bucket_cap_mb: float, last: AllReduceState) -> "CopyEngineState":
+        """The state for DDP buckets of bucket_cap_mb MiB of fp32 gradients: the workspace of a full bucket up
+        front (it grows if a bucket outgrows it). A collective over the world: every rank calls it."""
+        return cls(CopyEngineAllReduce(bucket_elements=int(bucket_cap_mb * 2**20) // 4), last)
+
+
+def copy_engine_hook(state: CopyEngineState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP bucket of fp32 gradients in place: on the copy engines while the backward runs, on NCCL's
+    world communicator for the last bucket of the step, which nothing overlaps."""
+    if bucket.is_last():
+        return average_hook(state.last, bucket)
+    return state.copy_engines(bucket.buffer())

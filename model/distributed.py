@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-from model.allreduce import AllReduceState, average_hook, slim_group
+from model.allreduce import AllReduceState, CopyEngineState, average_hook, copy_engine_hook, slim_group
 from model.gpt import Block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -58,6 +58,7 @@ def processes_per_node(accelerator: str, devices: Any) -> int:
 
 
 SM_CARVEOUT_SCOPES = ("step", "backward")
+COMM_HOOKS = ("average", "torch", "copy_engine")
 
 
 def set_sm_carveout(sms: int, scope: str = "step") -> None:
@@ -84,20 +85,27 @@ def set_sm_carveout(sms: int, scope: str = "step") -> None:
 
 
 class AveragingDDPStrategy(DDPStrategy):
-    """Lightning's DDP with model/allreduce.py's hook: NCCL averages the gradients in `reduce_dtype`, and with
+    """Lightning's DDP with model/allreduce.py's hooks: NCCL averages the gradients in `reduce_dtype`, and with
     sm_carveout > 0 every bucket but the last travels on a communicator of sm_carveout CTAs. With
     sm_carveout_scope "backward" the compute kernels leave those SMs free from pre_backward to post_backward only
-    (Lightning calls both around loss.backward(), whose end waits for the last bucket's all-reduce)."""
+    (Lightning calls both around loss.backward(), whose end waits for the last bucket's all-reduce). With
+    copy_engine every bucket but the last travels on the copy engines (model/copy_engine.py) instead."""
 
     def __init__(self, reduce_dtype: torch.dtype, sm_carveout: int, sm_carveout_scope: str = "step",
-                 **ddp: Any) -> None:
+                 copy_engine: bool = False, **ddp: Any) -> None:
         super().__init__(ddp_comm_state=AllReduceState(dtype=reduce_dtype), ddp_comm_hook=average_hook, **ddp)
         self.sm_carveout = sm_carveout
         self.sm_carveout_scope = sm_carveout_scope
+        self.copy_engine = copy_engine
 
     def configure_ddp(self) -> None:
-        if self.sm_carveout and self.root_device.type == "cuda":  # the process group exists by now
-            self._ddp_comm_state.slim = slim_group(self.sm_carveout)
+        if self.root_device.type == "cuda":  # the process group exists by now
+            if self.sm_carveout and not self.copy_engine:
+                self._ddp_comm_state.slim = slim_group(self.sm_carveout)
+            if self.copy_engine:
+                self._ddp_comm_state = CopyEngineState.for_buckets(self._ddp_kwargs.get("bucket_cap_mb", 25),
+                                                                   last=self._ddp_comm_state)
+                self._ddp_comm_hook = copy_engine_hook
         super().configure_ddp()
 
     def _backward_carveout(self) -> bool:
@@ -131,19 +139,25 @@ def data_parallel(
     averaged gradient rounded to bf16 once more per step. sm_carveout and sm_carveout_scope (the whole step or
     the backward): see set_sm_carveout and model/allreduce.py. comm_hook="torch" keeps torch's own fp32
     all-reduce (divide, then sum), the baseline the hook is measured against; it takes neither a bf16 wire nor a
-    carve-out.
+    carve-out. comm_hook="copy_engine" averages every bucket but the last on the copy engines of one node's
+    GPUs (model/copy_engine.py), fp32 only; a carve-out then leaves its SMs to the one-CTA barrier kernels that
+    wait for the peers beside the backward, so that no persistent matmul CTA waits behind one.
     """
-    if comm_hook not in ("average", "torch"):
-        raise ValueError(f"trainer.strategy.comm_hook={comm_hook!r}: use average or torch")
+    if comm_hook not in COMM_HOOKS:
+        raise ValueError(f"trainer.strategy.comm_hook={comm_hook!r}: use one of {', '.join(COMM_HOOKS)}")
     if comm_hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
         raise ValueError("trainer.strategy.comm_hook=torch reduces in fp32 on every SM: set reduce_dtype=fp32 "
                          "and sm_carveout=0, or use comm_hook=average")
+    if comm_hook == "copy_engine" and (reduce_dtype != "fp32" or int(num_nodes) > 1):
+        raise ValueError("trainer.strategy.comm_hook=copy_engine averages fp32 buckets through the peer memory of "
+                         "one node's GPUs: set reduce_dtype=fp32 and num_nodes=1, or use comm_hook=average")
     if processes_per_node(str(accelerator), devices) * int(num_nodes) <= 1:
         return "auto"
     if comm_hook == "torch":
         return DDPStrategy(**ddp)
     set_sm_carveout(int(sm_carveout), sm_carveout_scope)
-    return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), sm_carveout_scope, **ddp)
+    return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), sm_carveout_scope,
+                                copy_engine=comm_hook == "copy_engine", **ddp)
 
 
 def fsdp_strategy(

@@ -1,12 +1,13 @@
-"""model/allreduce.py: DDP's gradient all-reduce hook. On the CPU with a stand-in for NCCL (the op, the
-communicator, the dtype on the wire); on two GPUs against torch's own DDP all-reduce."""
+"""model/allreduce.py: DDP's gradient all-reduce hooks. On the CPU with a stand-in for NCCL (the op, the
+communicator, the dtype on the wire); on two GPUs against torch's own DDP all-reduce, and model/copy_engine.py's
+mean against NCCL's."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import model.allreduce as allreduce
-from model.allreduce import AllReduceState, average_hook
+from model.allreduce import AllReduceState, CopyEngineState, average_hook, copy_engine_hook
 from two_ranks import spawn_two_ranks
 
 
@@ -64,13 +65,32 @@ def test_bf16_wire_rounds_the_mean_once_into_the_fp32_gradients(nccl):
     assert torch.equal(grads, torch.tensor([1.0, 2.0, 3.0]))  # 1 + 2^-12 and 5 + 2^-10 are below bf16's step
 
 
-# --- two GPUs: the hook against torch's own DDP all-reduce ------------------------------------------------------
+def test_the_copy_engine_hook_leaves_the_last_bucket_to_nccl(nccl):
+    moved = []
+
+    def copy_engines(grads):
+        moved.append(grads)
+        fut = torch.futures.Future()
+        fut.set_result(grads)
+        return fut
+
+    state = CopyEngineState(copy_engines, last=AllReduceState())
+    early, last = torch.ones(3), torch.ones(3)
+    nccl.peer = torch.zeros(3)
+    assert copy_engine_hook(state, Bucket(early, last=False)).wait() is early
+    assert copy_engine_hook(state, Bucket(last, last=True)).wait() is last
+    assert moved == [early] and nccl.calls == [(dist.ReduceOp.AVG, None, torch.float32)]
+    assert torch.equal(last, torch.full((3,), 0.5))
+
+
+# --- two GPUs: the hooks against torch's own DDP all-reduce ------------------------------------------------------
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL all-reduce: needs 2 CUDA GPUs")
 
 
 def _ddp_grads(rank: int, results) -> None:
-    """Rank `rank` of 2: the same small GPT and per-rank batch under torch's DDP all-reduce and under
-    average_hook (fp32 with a 2-CTA communicator, then bf16); each run's gradients after one backward."""
+    """Rank `rank` of 2: the same small GPT and per-rank batch under torch's DDP all-reduce, under average_hook
+    (fp32 with a 2-CTA communicator, then bf16) and under copy_engine_hook; each run's gradients after one
+    backward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from model.allreduce import slim_group
@@ -80,12 +100,15 @@ def _ddp_grads(rank: int, results) -> None:
     idx = torch.randint(0, 97, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
     slim = slim_group(2)
     grads = {}
-    for name, state in (("torch", None), ("fp32", AllReduceState(torch.float32, slim)),
-                        ("bf16", AllReduceState(torch.bfloat16))):
+    for name, hook, state in (
+        ("torch", None, None), ("fp32", average_hook, AllReduceState(torch.float32, slim)),
+        ("bf16", average_hook, AllReduceState(torch.bfloat16)),
+        ("copy_engine", copy_engine_hook, CopyEngineState.for_buckets(0.01, last=AllReduceState())),
+    ):
         torch.manual_seed(0)
         model = DDP(GPT(cfg).cuda(), device_ids=[rank], gradient_as_bucket_view=True, bucket_cap_mb=0.01)
-        if state is not None:
-            model.register_comm_hook(state, average_hook)
+        if hook is not None:
+            model.register_comm_hook(state, hook)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(idx).float().square().mean().backward()
         grads[name] = [p.grad.cpu() for p in model.parameters()]
@@ -98,8 +121,41 @@ def test_the_hook_averages_as_torchs_ddp_does_on_two_gpus():
     results = spawn_two_ranks(_ddp_grads)
     for rank in (0, 1):
         g = results[rank]
-        for ours, theirs, bf16 in zip(g["fp32"], g["torch"], g["bf16"]):
+        for ours, copied, theirs, bf16 in zip(g["fp32"], g["copy_engine"], g["torch"], g["bf16"]):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(copied, theirs, rtol=1e-6, atol=1e-9)
             assert (bf16 - theirs).norm() <= 2**-7 * theirs.norm()  # each rank's gradient and the mean rounded
-    for a, b in zip(results[0]["fp32"], results[1]["fp32"]):
-        assert torch.equal(a, b)  # both ranks hold the same mean
+    for name in ("fp32", "copy_engine"):
+        for a, b in zip(results[0][name], results[1][name]):
+            assert torch.equal(a, b)  # both ranks hold the same mean
+
+
+SIZES = (1, 3, 64, 1000, 65_537, 2**22 + 5)  # elements: shorter than one slot, odd, aligned, several MB
+
+
+def _means(rank: int, results) -> None:
+    """Rank `rank` of 2: CopyEngineAllReduce and NCCL's AVG on the same per-rank vectors of each size, the
+    workspace growing from the smallest to the largest; the copy engines' means and NCCL's."""
+    from model.copy_engine import CopyEngineAllReduce
+
+    mean = CopyEngineAllReduce()
+    found = {}
+    for n in SIZES:
+        x = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(1000 * rank + n))
+        nccl = x.clone()
+        dist.all_reduce(nccl, op=dist.ReduceOp.AVG)
+        assert mean(x).wait() is x
+        torch.cuda.synchronize()
+        found[n] = (x.cpu(), nccl.cpu())
+    results[rank] = found
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_the_copy_engines_average_as_nccl_does_on_two_gpus():
+    results = spawn_two_ranks(_means)
+    for n in SIZES:
+        for rank in (0, 1):
+            ours, theirs = results[rank][n]
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)
+        assert torch.equal(results[0][n][0], results[1][n][0])

@@ -69,6 +69,17 @@ def test_torch_hook_is_lightnings_plain_ddp_and_refuses_what_it_cannot_do(gpus):
         data_parallel(devices=2, comm_hook="nccl")
 
 
+def test_copy_engine_hook_is_asked_for_by_name_and_refuses_what_it_cannot_do(gpus):
+    gpus(2)
+    strategy = instantiate(compose_train("trainer=ddp", "trainer.strategy.comm_hook=copy_engine").trainer.strategy)
+    assert strategy.copy_engine and strategy._ddp_comm_hook is average_hook  # replaced once the group exists
+    assert strategy._ddp_kwargs == {"gradient_as_bucket_view": True, "broadcast_buffers": False, "bucket_cap_mb": 25}
+    assert not instantiate(compose_train("trainer=ddp").trainer.strategy).copy_engine
+    for bad in ({"reduce_dtype": "bf16"}, {"num_nodes": 2}):
+        with pytest.raises(ValueError, match="comm_hook=copy_engine averages fp32 buckets through the peer memory"):
+            data_parallel(devices=2, comm_hook="copy_engine", **bad)
+
+
 @pytest.fixture
 def carveout_state():
     """set_sm_carveout changes process-wide state: torch's matmul carve-out, restored here."""
