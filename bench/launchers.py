@@ -218,14 +218,18 @@ def _fmt(value, digits: int = 0, scale: float = 1.0) -> str:
 
 
 def _ratio(r: dict, base: dict | None) -> str:
+    """r's per-GPU tokens/s over base's, when both ran in one invocation of this script ('run'): the same
+    machine minutes apart; a baseline from another run would carry that machine's drift into the ratio."""
     if base is None or base is r or base.get("status") != "ok" or r.get("status") != "ok":
+        return "–"
+    if base.get("run") != r.get("run"):
         return "–"
     return f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}"
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: a header line per (GPU, case), a line per launch; ratios of per-GPU tokens/s to the plain
-    launch ('python') and to one GPU ('1gpu') of the same case."""
+    """Markdown: a header line per (GPU, case), a line per launch with the run it came from; ratios of per-GPU
+    tokens/s to the plain launch ('python') and to one GPU ('1gpu') of the same case and run."""
     lines = []
     for case in sorted({_case(r) for r in rows}):
         gpu, model, seq_len, batch, attention = case
@@ -234,16 +238,17 @@ def table(rows: list[dict]) -> str:
         first = group[0]
         lines += [
             f"**{model}, {batch} × {seq_len} per GPU, attention={attention}** — {first.get('gpus', '?')} × {gpu}, "
-            f"GPU0-GPU1 link {first.get('interconnect') or 'unknown'}, {first.get('run', '')[:10]}",
+            f"GPU0-GPU1 link {first.get('interconnect') or 'unknown'}",
             "",
-            "| launch | ranks | devices | tokens/s per GPU | TFLOP/s per GPU | MFU % | step ms | peak GiB "
+            "| launch | run (UTC) | ranks | devices | tokens/s per GPU | TFLOP/s per GPU | MFU % | step ms | peak GiB "
             "| / plain launch | / 1 GPU |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in group:
             ok = r.get("status") == "ok"
             lines.append(
-                f"| {r['launch']} | {r.get('world_size', '–')} | {' '.join(r.get('devices', [])) or '–'} | "
+                f"| {r['launch']} | {r.get('run', '')[:16].replace('T', ' ') or '–'} | {r.get('world_size', '–')} | "
+                f"{' '.join(r.get('devices', [])) or '–'} | "
                 + (f"{_fmt(r['tokens_per_s'])} | {_fmt(r['tflops_per_gpu'], 1)} | {_fmt(r.get('mfu'), 1, 100)} | "
                    f"{_fmt(r.get('step_time_s'), 1, 1000)} | {_fmt(r.get('peak_mem_gib'), 1)} | " if ok
                    else f"{r.get('status')} | – | – | – | – | ")

@@ -97,8 +97,8 @@ def test_interconnect_is_gpu0s_link_to_gpu1():
     assert launchers.interconnect("\tGPU0\tCPU Affinity\nGPU0\t X \t0-15\n") is None  # one GPU
 
 
-def _row(launch, tokens_per_s, status="ok", world_size=2):
-    return {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 2, "interconnect": "NV18", "run": "2026-11-26T00:00:00+00:00",
+def _row(launch, tokens_per_s, status="ok", world_size=2, run="2026-11-26T00:00:00+00:00"):
+    return {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 2, "interconnect": "NV18", "run": run,
             "model": "gpt3-350m", "seq_len": 2048, "batch": 8, "attention": "flash", "launch": launch, "status": status,
             "world_size": world_size, "devices": ["cuda:0", "cuda:1"][:world_size], "tokens_per_s": tokens_per_s,
             "tflops_per_gpu": tokens_per_s * 2.4e-3, "mfu": 0.4, "step_time_s": 0.1, "peak_mem_gib": 20.0}
@@ -112,6 +112,19 @@ def test_table_gives_ratios_to_the_plain_launch_and_to_one_gpu(tmp_path):
     md = launchers.table(rows)
     assert "2 × NVIDIA H100 80GB HBM3, GPU0-GPU1 link NV18" in md
     line = {cells[1].strip(): cells for cells in (l.split("|") for l in md.splitlines() if l.startswith("| "))}
-    assert line["torchrun"][4].strip() == "188,100" and line["torchrun"][9:11] == [" 0.990 ", " 0.941 "]
-    assert line["python"][9:11] == [" – ", " 0.950 "] and line["1gpu"][10] == " – "
-    assert line["fsdp"][4].strip() == "OOM" and line["fsdp"][9].strip() == "–"
+    assert line["torchrun"][2].strip() == "2026-11-26 00:00"
+    assert line["torchrun"][5].strip() == "188,100" and line["torchrun"][10:12] == [" 0.990 ", " 0.941 "]
+    assert line["python"][10:12] == [" – ", " 0.950 "] and line["1gpu"][11] == " – "
+    assert line["fsdp"][5].strip() == "OOM" and line["fsdp"][10].strip() == "–"
+
+
+def test_table_gives_no_ratio_to_a_baseline_from_another_run(tmp_path):
+    path = tmp_path / "launchers.json"
+    launchers.merge(path, [_row("1gpu", 200_000.0, world_size=1), _row("python", 190_000.0),
+                           _row("torchrun", 188_100.0)])
+    later = "2026-11-28T07:33:08+00:00"  # a later run on another machine of the type: new baselines
+    rows = launchers.merge(path, [_row("1gpu", 210_000.0, world_size=1, run=later), _row("python", 197_400.0, run=later)])
+    line = {cells[1].strip(): cells for cells in (l.split("|") for l in launchers.table(rows).splitlines()
+                                                  if l.startswith("| "))}
+    assert line["python"][10:12] == [" – ", " 0.940 "]
+    assert line["torchrun"][10:12] == [" – ", " – "]  # its run's baselines were replaced
