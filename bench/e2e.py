@@ -28,7 +28,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
 
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
 subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
-per GPU step stay --tokens-per-step, so the global batch grows with N). The bare loop is single-GPU only.
+per GPU step stay --tokens-per-step, so the global batch grows with N), and the bare loop runs under
+`torchrun --nproc_per_node=N` wrapped in the same DDP or FSDP (bench/strategies.py), rank 0 timing it.
 Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so runs of a few minutes each add up.
 """
 
@@ -58,7 +59,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
-from model.distributed import clip_grad_norm_  # noqa: E402
+from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_  # noqa: E402
 from model.flops import flops_per_token, peak_flops  # noqa: E402
 from model.gpt import GPT, GPTConfig, packs_qkv  # noqa: E402
 from model.loss import LOSSES, next_token_loss  # noqa: E402
@@ -176,12 +177,13 @@ def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, com
 
 
 def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
-              wrap=None, accumulation: int = 1, **model_overrides):
+              wrap=None, accumulation: int = 1, sharded: bool = False, **model_overrides):
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
     with the model when compile and loss=torch, as LitGPT), `accumulation` forwards and backwards of `batch`
     sequences each (the loss scaled by 1 / accumulation, as Lightning scales it), fused AdamW, the pipeline's
     clipping (applied by the fused step, model/distributed.py clip_grads_with_norm_). Returns (step, GPTConfig);
-    model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward."""
+    model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward, and
+    `sharded` says that it shards the gradients over the world (FSDP): the norm is then summed over the ranks."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
     gpt = GPT(cfg).cuda()
@@ -200,7 +202,10 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
             with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
                 value = loss_fn(forward(inp), tgt, loss)
             (value / accumulation if accumulation > 1 else value).backward()
-        clip_grad_norm_(gpt, None, 1.0, opt)
+        if sharded:
+            clip_sharded_grad_norm_(gpt.parameters(), 1.0, None, opt)
+        else:
+            clip_grad_norm_(gpt, None, 1.0, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -208,10 +213,12 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
 
 
 def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             loss: str = "torch", accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
-    """The same GPT step with nothing around it: the yardstick for the pipeline's overhead."""
-    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss, accumulation=accumulation,
-                          **parse_sets(list(sets)))
+             loss: str = "torch", accumulation: int = 1, sets: tuple[str, ...] = (), wrap=None,
+             sharded: bool = False) -> dict:
+    """The same GPT step with nothing around it: the yardstick for the pipeline's overhead (per GPU, this
+    rank's time, under `wrap` and `sharded` as bare_step takes them)."""
+    step, cfg = bare_step(model, seq_len, batch, attention, compile, loss, wrap=wrap, accumulation=accumulation,
+                          sharded=sharded, **parse_sets(list(sets)))
     torch.cuda.reset_peak_memory_stats()
     dt = seconds_per_call(step, warmup, steps)
     tokens_per_s = batch * seq_len * accumulation / dt
@@ -224,6 +231,53 @@ def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool
         "peak_mem_gib": torch.cuda.max_memory_allocated() / GIB,
         "step_time_s": dt,
     }
+
+
+BARE_RESULT = "[e2e bare] "  # how a multi-GPU bare loop's rank 0 prints its result line (JSON follows)
+
+
+def run_bare_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
+                   gpus: int, strategy: str, loss: str = "torch", accumulation: int = 1,
+                   sets: tuple[str, ...] = (), timeout: float = 900) -> dict:
+    """The bare loop on `gpus` GPUs: `torchrun --standalone --nproc_per_node=gpus bench/e2e.py --bare-rank SPEC`,
+    each rank running bare_step in the pipeline's DDP or FSDP (bench/strategies.py); rank 0's rates, per GPU."""
+    spec = {"model": model, "seq_len": seq_len, "batch": batch, "attention": attention, "compile": compile,
+            "warmup": warmup, "steps": steps, "strategy": strategy, "loss": loss, "accumulation": accumulation,
+            "sets": list(sets)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           str(Path(__file__).resolve()), "--bare-rank", json.dumps(spec)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    results = [json.loads(line[len(BARE_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(BARE_RESULT)]
+    if results and results[-1].get("status") == "OOM":
+        raise TrainingOutOfMemory(f"the bare loop on {gpus} GPUs ({strategy}) ran out of memory")
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"the bare loop on {gpus} GPUs ({strategy}) exited {proc.returncode}: "
+                           f"{proc.stderr.strip()[-2000:]}")
+    return results[-1]
+
+
+def bare_rank(spec: dict) -> None:
+    """One torchrun rank of run_bare_multi: the bare loop wrapped as the pipeline's strategy; rank 0 prints the
+    result (or, out of memory, the status) after BARE_RESULT."""
+    import torch.distributed as dist
+
+    from bench.common import join_torchrun_group
+    from bench.strategies import ddp_wrap, fsdp_wrap
+
+    local = join_torchrun_group()
+    fsdp = spec["strategy"] == "fsdp"
+    wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local)
+    try:
+        out = run_bare(spec["model"], spec["seq_len"], spec["batch"], spec["attention"], spec["compile"],
+                       spec["warmup"], spec["steps"], spec["loss"], spec["accumulation"], tuple(spec["sets"]),
+                       wrap=wrap, sharded=fsdp)
+    except torch.OutOfMemoryError:
+        out = {"status": "OOM"}
+    if dist.get_rank() == 0 or out.get("status") == "OOM":  # any rank's OOM is the case's
+        print(BARE_RESULT + json.dumps(out), flush=True)
+    if out.get("status") == "OOM":
+        os._exit(3)  # a peer may be waiting in a collective: end the world, torchrun stops the others
+    dist.destroy_process_group()
 
 
 def combine_rounds(runs: list[dict]) -> dict:
@@ -250,9 +304,12 @@ def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, co
              gpus: int = 1, strategy: str = "single", loss: str = "torch", document_mask: bool = False,
              accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
     try:
-        if gpus > 1:
+        if gpus > 1 and mode == "pipeline":
             out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
                                      document_mask, accumulation, sets)
+        elif gpus > 1:
+            out = run_bare_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
+                                 accumulation, sets)
         elif mode == "pipeline":
             out = run_pipeline(model, seq_len, batch, attention, compile, warmup, steps, loss, document_mask,
                                accumulation, sets)
@@ -474,6 +531,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(in every round): e.g. --vs fused_add_norm=true times the option beside the default")
     ap.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--bare-rank", metavar="JSON", help=argparse.SUPPRESS)  # run_bare_multi's ranks
     args = ap.parse_args(argv)
     args.loss = args.loss or _compose([]).loss
     args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
@@ -486,6 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.bare_rank:
+        return bare_rank(json.loads(args.bare_rank))
 
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     if not args.plot_only:
@@ -510,8 +570,8 @@ def main(argv: list[str] | None = None) -> None:
             strategy = args.strategy if gpus > 1 else "single"
             B, K = args.batches[T]
             variant = " ".join(sets)  # the row's "set" field; "" for the preset as it is
-            # the bare loop is single-GPU, and has no data: no documents
-            for mode in args.modes if gpus == 1 and not docs else ["pipeline"]:
+            # the bare loop has no data: no documents
+            for mode in args.modes if not docs else ["pipeline"]:
                 done = runs[(model, T, attn, comp, gpus, docs, sets, mode)]
                 if done and done[-1]["status"] != "ok":
                     continue  # out of memory (or failed) once: not run again

@@ -40,17 +40,15 @@ from datetime import date
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import parse_sets  # noqa: E402
+from bench.common import join_torchrun_group, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
+from bench.strategies import ddp_wrap  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-DDP_CONF = REPO / "conf" / "trainer" / "strategy" / "data_parallel.yaml"
-DDP_KWARGS = ("gradient_as_bucket_view", "broadcast_buffers", "bucket_cap_mb")  # the keys torch's DDP takes
 KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
 
 # First match wins, so the specific names come before the generic ones ("copy", "elementwise"). Inductor's
@@ -163,38 +161,6 @@ def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, lis
     return kernel_times(prof, steps), wall_ms, gpu
 
 
-def ddp_wrap(reduce_dtype: str, sm_carveout: int, hook: str):
-    """Join torchrun's process group and return a function that wraps the GPT in DDP as the pipeline's
-    trainer=ddp does (conf/trainer/strategy/data_parallel.yaml, model/allreduce.py's hooks); hook="torch":
-    torch's own all-reduce (a divide kernel, then a sum), fp32 only; hook="copy_engine": every bucket but the
-    last on the copy engines, fp32 only."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from bench.common import join_torchrun_group
-    from model.allreduce import AllReduceState, CopyEngineState, average_hook, copy_engine_hook, slim_group
-    from model.distributed import DTYPES
-
-    local = join_torchrun_group()
-    conf = yaml.safe_load(DDP_CONF.read_text())
-    settings = {k: conf[k] for k in DDP_KWARGS}
-    if hook != "average" and reduce_dtype != "fp32":
-        raise SystemExit(f"--hook {hook} is an fp32 all-reduce: no --reduce-dtype bf16")
-    if hook == "torch" and sm_carveout:
-        raise SystemExit("--hook torch runs on every SM: no --sm-carveout")
-    slim = slim_group(sm_carveout) if sm_carveout and hook == "average" else None
-    state = AllReduceState(dtype=DTYPES[reduce_dtype], slim=slim)
-    if hook == "copy_engine":
-        state = CopyEngineState.for_buckets(settings["bucket_cap_mb"], last=state)
-
-    def wrap(gpt):
-        ddp = DistributedDataParallel(gpt, device_ids=[local], **settings)
-        if hook != "torch":
-            ddp.register_comm_hook(state, copy_engine_hook if hook == "copy_engine" else average_hook)
-        return ddp
-
-    return wrap
-
-
 def table(row: dict, top: int) -> str:
     wall = row["wall_ms_per_step"]
     world = row.get("world_size", 1)
@@ -260,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.nccl_protocol:
         os.environ["NCCL_PROTO"] = args.nccl_protocol  # read when the communicator starts
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    wrap = ddp_wrap(args.reduce_dtype, args.sm_carveout, args.hook) if world > 1 else None
+    wrap = None
+    if world > 1:  # the pipeline's DDP (bench/strategies.py) in torchrun's process group
+        wrap = ddp_wrap(join_torchrun_group(), args.reduce_dtype, args.sm_carveout, args.hook)
     batch = max(1, args.tokens_per_step // args.seq_len)
     step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, **overrides)
     kernels, wall_ms, events = profile(step, args.warmup, args.steps)

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).resolve().parents[1] / "bench" / "e2e.py")
 e2e = importlib.util.module_from_spec(spec)
@@ -58,8 +59,6 @@ def test_ratio_only_pairs_rows_of_one_run():
 
 def test_refuses_to_measure_without_gpu(tmp_path):
     pytest.importorskip("matplotlib")
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
     with pytest.raises(SystemExit, match="no CUDA device"):
@@ -210,8 +209,6 @@ def _measured(tokens_per_s):
 @pytest.fixture
 def one_fake_gpu(monkeypatch):
     """main() on a CPU as if one GPU were there (run_case is the test's), with no figure drawn."""
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
@@ -262,3 +259,63 @@ def test_vs_runs_a_second_variant_of_every_case_in_turn(tmp_path, monkeypatch, o
     assert rows[None]["tokens_per_s"] == 102.0 and rows["fused_add_norm=true"]["tokens_per_s"] == 108.0
     with pytest.raises(SystemExit, match="expected key=value"):
         e2e.parse_args(["--vs", "fused_add_norm"])
+
+
+def test_the_multi_gpu_bare_loop_runs_under_torchrun_and_reads_rank_0s_line(monkeypatch):
+    """run_bare_multi starts torchrun on this script with the case as JSON, and reads the result line rank 0
+    prints; a rank out of memory is the case's OOM, a world that ends without a result is an error."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(stdout_lines, returncode=0):
+        def run(cmd, **kwargs):
+            calls.append(cmd)
+            return subprocess.CompletedProcess(cmd, returncode, stdout="\n".join(stdout_lines), stderr="boom")
+        return run
+
+    result = {"tokens_per_s": 100.0, "tflops_per_gpu": 1.0, "mfu": 0.5, "peak_mem_gib": 2.0, "step_time_s": 0.1}
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run(["NCCL INFO ...", e2e.BARE_RESULT + json.dumps(result)]))
+    out = e2e.run_bare_multi("gpt3-1.3b", 8192, 2, "flash", False, 5, 10, 2, "fsdp", "fused", 1, ("fused_add_norm=true",))
+    assert out == result
+    cmd = calls[-1]
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert cmd[5].endswith("bench/e2e.py") and cmd[6] == "--bare-rank"
+    spec = json.loads(cmd[7])
+    assert spec == {"model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash", "compile": False,
+                    "warmup": 5, "steps": 10, "strategy": "fsdp", "loss": "fused", "accumulation": 1,
+                    "sets": ["fused_add_norm=true"]}
+    assert e2e.parse_args(["--bare-rank", cmd[7]]).bare_rank == cmd[7]  # what each rank parses
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run([e2e.BARE_RESULT + '{"status": "OOM"}'], returncode=1))
+    with pytest.raises(e2e.TrainingOutOfMemory):
+        e2e.run_bare_multi("gpt3-1.3b", 8192, 2, "flash", False, 5, 10, 2, "ddp")
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run([], returncode=1))
+    with pytest.raises(RuntimeError, match="exited 1: boom"):
+        e2e.run_bare_multi("gpt3-1.3b", 8192, 2, "flash", False, 5, 10, 2, "ddp")
+
+
+def test_several_gpus_run_the_bare_loop_beside_the_pipeline(tmp_path, monkeypatch, one_fake_gpu):
+    """With --gpus 2 both modes run on two GPUs, and the table pairs them (pipeline / bare) as on one GPU."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    ran = []
+
+    def fake_run_case(mode, model, T, B, attn, comp, warmup, steps, gpus, strategy, *rest):
+        ran.append((mode, gpus, strategy))
+        return _measured({"pipeline": 95.0, "bare": 100.0}[mode])
+
+    monkeypatch.setattr(e2e, "run_case", fake_run_case)
+    out = tmp_path / "e2e.json"
+    e2e.main(["--models", "gpt3-125m", "--seqlens", "1024", "--attentions", "flash", "--gpus", "2",
+              "--strategy", "fsdp", "--out", str(out)])
+    assert ran == [("pipeline", 2, "fsdp"), ("bare", 2, "fsdp")]
+    line = e2e.table(json.loads(out.read_text())).splitlines()[2]
+    assert "| 2 fsdp |" in line and "| 0.950 |" in line  # pipeline / bare
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the bare loop on 2 GPUs: needs 2 CUDA GPUs")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_bare_loop_trains_on_two_gpus(strategy):
+    out = e2e.run_bare_multi("gpt-tiny", 256, 4, "sdpa", False, 2, 4, 2, strategy, timeout=300)
+    assert out["tokens_per_s"] > 0 and out["peak_mem_gib"] > 0 and 0 < out["mfu"] < 1
