@@ -14,7 +14,8 @@ token embedding. Each option's default is GPT-3's:
 
 RoPE and SwiGLU come from model/fusion.py, which runs each as a compiled kernel when the model runs eagerly on a GPU;
 fused_add_norm and fused_bias_gelu take two more of its kernels: each residual add with the norm that reads the sum
-(ln_1 of the next block, ln_2, ln_f), and the GELU MLP's bias with its GELU.
+(ln_1 of the next block, ln_2, ln_f), and the GELU MLP's bias with its GELU. fp32_weight_grad has every Linear's
+weight gradient written in fp32 by its matmul (model/linear.py).
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
@@ -37,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from model.attention import (AttentionMask, attention_mask, check_attention_supported, check_window,
                              document_positions, get_attention, get_qkvpacked_attention)
 from model.fusion import apply_add_layer_norm, apply_add_rms_norm, apply_bias_gelu, apply_rope, apply_swiglu
+from model.linear import Linear, linear
 
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
 VOCAB_MULTIPLE = 64
@@ -80,6 +82,7 @@ class GPTConfig:
     reset_position_ids: bool = True  # with documents, positions restart at each document's start
     fused_add_norm: bool = False  # each residual add with the norm after it in one kernel (model/fusion.py)
     fused_bias_gelu: bool = False  # the MLP's fc bias and GELU in one kernel (model/fusion.py); GELU MLPs with biases
+    fp32_weight_grad: bool = False  # weight gradients written in fp32 by the matmul, no cast kernel (model/linear.py)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -219,8 +222,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.layer = layer  # its slot in a KVCache
         # q: H heads, k and v: Hkv heads each, in one matmul; with Hkv = H the layout is (3, H, D) as before GQA
-        self.qkv = nn.Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.qkv = Linear(cfg.d_model, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=cfg.bias,
+                          fp32_weight_grad=cfg.fp32_weight_grad)
+        self.proj = Linear(cfg.d_model, cfg.d_model, bias=cfg.bias, fp32_weight_grad=cfg.fp32_weight_grad)
         self.proj.is_residual_out = True
         self.dropout = nn.Dropout(cfg.dropout)
         self.attn_fn = get_attention(cfg.attention)
@@ -253,14 +257,15 @@ class MLP(nn.Module):
         self.swiglu = cfg.mlp == "swiglu"
         self.fused_bias_gelu = cfg.fused_bias_gelu
         # SwiGLU's gate and up projections are one matmul: fc's output is [gate | up]
-        self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.ffn_dim, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.fc = Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.ffn_dim, bias=cfg.bias,
+                         fp32_weight_grad=cfg.fp32_weight_grad)
+        self.proj = Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias, fp32_weight_grad=cfg.fp32_weight_grad)
         self.proj.is_residual_out = True
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_bias_gelu:  # the bias added in the GELU's kernel, not the matmul's epilogue
-            h = apply_bias_gelu(F.linear(x, self.fc.weight), self.fc.bias)  # (B, T, d_ff)
+            h = apply_bias_gelu(linear(x, self.fc.weight, None, self.fc.fp32_weight_grad), self.fc.bias)  # (B, T, d_ff)
         else:
             h = self.fc(x)  # (B, T, d_ff) or (B, T, 2·d_ff)
             h = apply_swiglu(h) if self.swiglu else F.gelu(h, approximate="tanh")  # (B, T, d_ff)
@@ -302,7 +307,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
         self.ln_f = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.padded_vocab_size, bias=False, fp32_weight_grad=cfg.fp32_weight_grad)
         self.lm_head.weight = self.wte.weight  # tied: counted once in the FLOP formula too
         self.apply(self._init_weights)
 
