@@ -20,6 +20,7 @@ same case show what the overlap costs compute.
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --sm-carveout 4
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook torch
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook copy_engine
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --strategy fsdp
 
 Rows merge into bench/results/profile.json, keyed by device and case (model, T, attention, compile, --set, and
 the world size, all-reduce, reduce dtype, carve-out and NCCL protocol).
@@ -46,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import join_torchrun_group, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
-from bench.strategies import ddp_wrap  # noqa: E402
+from bench.strategies import ddp_wrap, fsdp_wrap  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
@@ -165,9 +166,13 @@ def table(row: dict, top: int) -> str:
     wall = row["wall_ms_per_step"]
     world = row.get("world_size", 1)
     proto = f", NCCL_PROTO={row['nccl_protocol']}" if row.get("nccl_protocol") else ""
-    hook = ", torch's all-reduce" if row.get("hook") == "torch" else ""
-    where = (f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})" if world > 1
-             else row["device"])
+    hook = {"torch": ", torch's all-reduce", "copy_engine": ", on the copy engines"}.get(row.get("hook"), "")
+    if world == 1:
+        where = row["device"]
+    elif row.get("strategy") == "fsdp":
+        where = f"{world} × {row['device']} (FSDP, conf/trainer/strategy/fsdp.yaml{proto})"
+    else:
+        where = f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})"
     carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
     lines = [f"{row['model']} {row['batch']}×{row['seq_len']} attention={row['attention']} compile={row['compile']} "
              f"{row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
@@ -192,7 +197,8 @@ def table(row: dict, top: int) -> str:
 
 def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
-            r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"))
+            r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"),
+            r.get("strategy", "ddp"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sm-carveout", type=int, default=0, help="SMs left to NCCL (model/distributed.set_sm_carveout)")
     ap.add_argument("--hook", choices=["average", "torch", "copy_engine"], default="average",
                     help="DDP's all-reduce: model/allreduce.py's (the pipeline's), torch's own, or the copy engines'")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
+                    help="under torchrun: the pipeline's DDP (with --reduce-dtype, --sm-carveout, --hook) or its FSDP")
     ap.add_argument("--nccl-protocol", choices=["LL", "LL128", "Simple"], default=None,
                     help="NCCL_PROTO (default: NCCL's choice per message size)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
@@ -226,11 +234,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.nccl_protocol:
         os.environ["NCCL_PROTO"] = args.nccl_protocol  # read when the communicator starts
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    wrap = None
-    if world > 1:  # the pipeline's DDP (bench/strategies.py) in torchrun's process group
-        wrap = ddp_wrap(join_torchrun_group(), args.reduce_dtype, args.sm_carveout, args.hook)
+    wrap, fsdp = None, world > 1 and args.strategy == "fsdp"
+    if fsdp and (args.reduce_dtype != "fp32" or args.sm_carveout or args.hook != "average"):
+        raise SystemExit("--strategy fsdp takes conf/trainer/strategy/fsdp.yaml's settings: no --reduce-dtype, "
+                         "--sm-carveout or --hook")
+    if world > 1:  # the pipeline's DDP or FSDP (bench/strategies.py) in torchrun's process group
+        local = join_torchrun_group()
+        wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local, args.reduce_dtype, args.sm_carveout, args.hook)
     batch = max(1, args.tokens_per_step // args.seq_len)
-    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, **overrides)
+    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, sharded=fsdp,
+                        **overrides)
     kernels, wall_ms, events = profile(step, args.warmup, args.steps)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -242,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         "compile": args.compile, "set": " ".join(sorted(args.set)),
         **({"kernel": KERNEL_VERSION} if args.attention == "flash" else {}),
         "sm_carveout": args.sm_carveout,
-        **({"world_size": world, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
+        **({"world_size": world, "strategy": args.strategy, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
             "nccl_protocol": os.environ.get("NCCL_PROTO"),
             "overlap": communication_overlap([e for e in events if e["cat"] == "kernel"], args.steps)}
            if world > 1 else {}),

@@ -61,6 +61,20 @@ def test_table_shows_shares_and_largest_kernels():
     assert "`nvjet_a`" in md and "`Memset`" not in md
 
 
+def test_table_names_the_strategy_and_the_all_reduce_of_a_multi_gpu_row():
+    base = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
+            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0}),
+            "kernels": {"nvjet_a": 6.0}, "world_size": 2, "reduce_dtype": "fp32", "nccl_protocol": None}
+    heading = {name: profile_step.table({**base, **fields}, top=1).splitlines()[0]
+               for name, fields in (("ddp", {"hook": "average"}), ("copy", {"hook": "copy_engine"}),
+                                    ("fsdp", {"strategy": "fsdp", "hook": "average"}))}
+    assert "on 2 × GPU X (DDP, fp32 all-reduce)" in heading["ddp"]
+    assert "(DDP, fp32 all-reduce, on the copy engines)" in heading["copy"]
+    assert "on 2 × GPU X (FSDP, conf/trainer/strategy/fsdp.yaml)" in heading["fsdp"]
+    rows = [{**base, "hook": "average"}, {**base, "strategy": "fsdp", "hook": "average"}]
+    assert len({profile_step._key(r) for r in rows}) == 2  # FSDP's row does not replace DDP's
+
+
 def test_communication_overlap_counts_nccl_time_and_the_part_no_kernel_hides():
     """Two steps: NCCL runs 0-10 µs (hidden by a GEMM over 2-6 and an attention kernel over 5-8) and 20-24 µs
     (alone); a second NCCL kernel over 1-3 runs on its own stream inside the first."""
