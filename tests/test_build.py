@@ -4,7 +4,6 @@ built extension is put in place (the package's, or --out's)."""
 import mmap
 import os
 import sysconfig
-import types
 
 import pytest
 

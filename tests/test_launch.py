@@ -241,7 +241,7 @@ def _gpu_overrides(data_cache, out, *extra):
     import flash_kernel
 
     attention = "flash" if flash_kernel.is_available() else "sdpa"
-    return [f"model=gpt3-350m", f"attention={attention}", "seq_len=2048", "data.batch_size=8", "data.num_workers=2",
+    return ["model=gpt3-350m", f"attention={attention}", "seq_len=2048", "data.batch_size=8", "data.num_workers=2",
             "data.vocab_size=512", "data.max_documents=200", f"data.cache_dir={data_cache}", "data.val_batches=2",
             "trainer.max_steps=60", "trainer.log_every_n_steps=20", "trainer.val_check_interval=60",
             "trainer.enable_model_summary=false", "trainer.enable_progress_bar=false", "~callbacks.progress_bar",
