@@ -9,9 +9,10 @@ fp32 either way; torch.mm's out_dtype keeps the result unrounded), so the conver
 gradient loses its rounding to bf16. The forward and the input's gradient are autocast's: the same bf16 matmuls,
 the same bits.
 
-It runs where it pays and nothing else changes: eager, on a GPU, under fp16/bf16 autocast, with fp32 weights that
-take a gradient. Compiled regions trace the plain F.linear (Inductor fuses the cast into its own kernels), and so
-do dispatch modes (FlopCounterMode counts the plain matmuls); FSDP's gathered bf16 weights take the plain path.
+It runs where autocast's conversion kernel runs, and nothing else changes: eager, on a GPU, under fp16/bf16
+autocast, with fp32 weights that take a gradient. Compiled regions trace the plain F.linear (whether the function
+pays under Inductor, which places the cast itself, is not measured), and so do dispatch modes (FlopCounterMode
+counts the plain matmuls); FSDP's gathered bf16 weights take the plain path.
 """
 
 from __future__ import annotations
