@@ -257,8 +257,8 @@ def run_bare_multi(model: str, seq_len: int, batch: int, attention: str, compile
 
 
 def bare_rank(spec: dict) -> None:
-    """One torchrun rank of run_bare_multi: the bare loop wrapped as the pipeline's strategy; rank 0 prints the
-    result (or, out of memory, the status) after BARE_RESULT."""
+    """One torchrun rank of run_bare_multi: the bare loop wrapped as the pipeline's strategy; rank 0 prints its
+    result after BARE_RESULT, and a rank out of memory its status."""
     import torch.distributed as dist
 
     from bench.common import join_torchrun_group
