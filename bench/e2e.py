@@ -29,7 +29,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
 subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
 per GPU step stay --tokens-per-step, so the global batch grows with N), and the bare loop runs under
-`torchrun --nproc_per_node=N` wrapped in the same DDP or FSDP (bench/strategies.py), rank 0 timing it.
+`torchrun --nproc_per_node=N` wrapped in the same DDP or FSDP (bench/strategies.py), rank 0 timing it. Their rows
+record the GPU0-GPU1 link (`nvidia-smi topo -m`, e.g. NV18), which the table's GPUs column shows.
 Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so runs of a few minutes each add up.
 """
 
@@ -57,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
+from bench.launchers import gpu_info  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_  # noqa: E402
@@ -434,11 +436,19 @@ def table(rows: list[dict]) -> str:
             scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn.startswith("flash") else "–"
         lines.append(
-            f"| {dev} | {model} | {T} | {_batch(B, K)} | {attn} | {'yes' if comp else 'no'} | {gpus if gpus == 1 else f'{gpus} {strategy}'} | "
+            f"| {dev} | {model} | {T} | {_batch(B, K)} | {attn} | {'yes' if comp else 'no'} | {_gpus_cell(p or b)} | "
             f"{_fmt(p, 'tokens_per_s')} | {_fmt(p, 'tflops_per_gpu', 1, 1)} | {_fmt(p, 'mfu', 100, 1)} | "
             f"{_fmt(p, 'peak_mem_gib', 1, 1)} | {_fmt(b, 'tokens_per_s')} | {ratio} | {scaling} | {paper} |"
         )
     return "\n".join(lines)
+
+
+def _gpus_cell(r: dict) -> str:
+    """The GPUs column: '1', or the count, strategy and the GPU0-GPU1 link where the row recorded it ('2 ddp, NV18')."""
+    gpus, strategy = _gpus(r)
+    if gpus == 1:
+        return "1"
+    return f"{gpus} {strategy}" + (f", {r['interconnect']}" if r.get("interconnect") else "")
 
 
 def latest_bars(rows: list[dict]) -> dict[tuple, dict]:
@@ -557,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.cuda.get_device_name()
         meta = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "date": date.today().isoformat(),
                 "run": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # this invocation
+        link = gpu_info()["interconnect"] if max(args.gpus) > 1 else None  # nvidia-smi topo: e.g. NV18
         compiles, masks = (CHOICES[args.compile], CHOICES[args.document_mask])
         # naive last: an OOM leaves the allocator fragmented for whatever runs after it
         attentions = sorted(args.attentions, key=lambda a: a == "naive")
@@ -584,7 +595,8 @@ def main(argv: list[str] | None = None) -> None:
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model, sets), loss=args.loss,
                          qkv="views" if docs else qkv_layout(model, attn, sets),  # documents: q, k, v views
                          **({"kernel": kernel} if attn == "flash" else {}),
-                         **({"document_mask": True} if docs else {}))
+                         **({"document_mask": True} if docs else {}),
+                         **({"interconnect": link} if gpus > 1 and link else {}))
                 new[(model, T, attn, comp, gpus, docs, sets, mode)] = r
                 this = done[-1]
                 print(

@@ -296,8 +296,10 @@ def test_the_multi_gpu_bare_loop_runs_under_torchrun_and_reads_rank_0s_line(monk
 
 
 def test_several_gpus_run_the_bare_loop_beside_the_pipeline(tmp_path, monkeypatch, one_fake_gpu):
-    """With --gpus 2 both modes run on two GPUs, and the table pairs them (pipeline / bare) as on one GPU."""
+    """With --gpus 2 both modes run on two GPUs, and the table pairs them (pipeline / bare) as on one GPU; the rows
+    name the GPU0-GPU1 link."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(e2e, "gpu_info", lambda: {"gpu": "GPU X", "gpus": 2, "interconnect": "NV18"})
     ran = []
 
     def fake_run_case(mode, model, T, B, attn, comp, warmup, steps, gpus, strategy, *rest):
@@ -310,7 +312,7 @@ def test_several_gpus_run_the_bare_loop_beside_the_pipeline(tmp_path, monkeypatc
               "--strategy", "fsdp", "--out", str(out)])
     assert ran == [("pipeline", 2, "fsdp"), ("bare", 2, "fsdp")]
     line = e2e.table(json.loads(out.read_text())).splitlines()[2]
-    assert "| 2 fsdp |" in line and "| 0.950 |" in line  # pipeline / bare
+    assert "| 2 fsdp, NV18 |" in line and "| 0.950 |" in line  # pipeline / bare
 
 
 @pytest.mark.gpu
