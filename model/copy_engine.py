@@ -90,15 +90,20 @@ def pull(mem: Workspaces, rank: int, grads: torch.Tensor, chunks: Chunks) -> Non
             grads[start:start + length].copy_(mem.buffer(owner, chunks.world * chunks.stride, length))
 
 
+def symmetric_memory():
+    """torch's symmetric memory (torch.distributed._symmetric_memory), imported where it is used."""
+    from torch.distributed import _symmetric_memory
+
+    return _symmetric_memory
+
+
 class CopyEngineAllReduce:
     """In-place mean of fp32 buckets over the ranks of `group`, all on this node, through torch's symmetric
     memory. The copies and the mean run on a stream of their own, after the work the caller's stream has
     queued so far; the returned future completes when the bucket holds the mean."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, bucket_elements: int = 0) -> None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        self._symm_mem = symm_mem
+        self._symm_mem = symm_mem = symmetric_memory()
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.stream = torch.cuda.Stream()
@@ -117,8 +122,15 @@ class CopyEngineAllReduce:
         if self._tensor is not None:
             self.stream.synchronize()
         self._handle = self._tensor = None
-        self._tensor = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
-        self._handle = self._symm_mem.rendezvous(self._tensor, self.group)
+        try:
+            self._tensor = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+            self._handle = self._symm_mem.rendezvous(self._tensor, self.group)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"trainer.strategy.comm_hook=copy_engine maps every rank's {nbytes / 2**20:.0f} MiB workspace into "
+                "every other rank's GPU (torch's symmetric memory), which needs peer access between the GPUs of one "
+                "node (NVLink, or PCIe with P2P); it failed here, so use comm_hook=average (NCCL): " + str(err)
+            ) from err
 
     def buffer(self, rank: int, offset: int, numel: int) -> torch.Tensor:
         return self._handle.get_buffer(rank, (numel,), torch.float32, offset)
