@@ -6,8 +6,8 @@ more read of every weight's gradient in bf16 and a write in fp32 per step (2 + 4
 GPT3-1.3B; by its bytes, the 7.6 ms copy kernel of its 325 ms step at 2 × 8k in bench/profile_step.py's table on
 an H200, docs/results.md section 12). Here the weight-gradient matmul writes fp32 itself (cuBLAS accumulates in
 fp32 either way; torch.mm's out_dtype keeps the result unrounded), so the conversion kernel goes, and each
-gradient loses its rounding to bf16. The forward and the input's gradient are autocast's: the same bf16 matmuls,
-the same bits.
+gradient loses its rounding to bf16. The forward is autocast's, the same bf16 matmul on the same operands, and the
+input's gradient is a bf16 matmul as under autocast.
 
 It runs where autocast's conversion kernel runs, and nothing else changes: eager, on a GPU, under fp16/bf16
 autocast, with fp32 weights that take a gradient. Compiled regions trace the plain F.linear (whether the function

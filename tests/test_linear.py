@@ -78,8 +78,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's fp32-ou
 @pytest.mark.parametrize("shape, out", [((2, 7, 64), 96), ((1, 333, 128), 384), ((4, 64, 200), 1000)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_on_a_gpu_forward_and_input_gradient_are_autocasts_and_the_weight_gradient_is_closer(shape, out, bias,
-                                                                                              x_dtype):
+def test_on_a_gpu_the_forward_is_autocasts_and_the_weight_gradient_is_closer(shape, out, bias, x_dtype):
     ops = _operands(shape, out, bias, x_dtype, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert takes_fp32_weight_grad(ops[0], ops[1])
@@ -87,7 +86,8 @@ def test_on_a_gpu_forward_and_input_gradient_are_autocasts_and_the_weight_gradie
     plain_ops = _operands(shape, out, bias, x_dtype, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         plain = _grads(F.linear, *plain_ops)
-    assert torch.equal(ours[0], plain[0]) and torch.equal(ours[1], plain[1])  # the same bf16 matmuls
+    assert torch.equal(ours[0], plain[0])  # the forward: the same bf16 matmul on the same operands
+    torch.testing.assert_close(ours[1], plain[1], rtol=2**-7, atol=1e-5)  # the input's: a bf16 matmul either way
     x, w, b, dy = ops
     exact = dy.bfloat16().reshape(-1, out).double().t() @ x.detach().bfloat16().reshape(-1, shape[-1]).double()
     err_ours, err_plain = (ours[2].double() - exact).norm(), (plain[2].double() - exact).norm()
