@@ -31,23 +31,18 @@ def ddp_wrap(local_rank: int, reduce_dtype: str = "fp32", sm_carveout: int = 0, 
     bucket but the last on the copy engines, fp32 only. Call it inside the process group."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from model.allreduce import AllReduceState, CopyEngineState, average_hook, copy_engine_hook, slim_group
-    from model.distributed import DTYPES
+    from model.allreduce import ddp_hook
+    from model.distributed import DTYPES, check_comm_hook
 
     settings = strategy_settings("data_parallel", DDP_KWARGS)
-    if hook != "average" and reduce_dtype != "fp32":
-        raise SystemExit(f"--hook {hook} is an fp32 all-reduce: no --reduce-dtype bf16")
-    if hook == "torch" and sm_carveout:
-        raise SystemExit("--hook torch runs on every SM: no --sm-carveout")
-    slim = slim_group(sm_carveout) if sm_carveout and hook == "average" else None
-    state = AllReduceState(dtype=DTYPES[reduce_dtype], slim=slim)
-    if hook == "copy_engine":
-        state = CopyEngineState.for_buckets(settings["bucket_cap_mb"], last=state)
+    check_comm_hook(hook, reduce_dtype, sm_carveout)
+    state_and_hook = None if hook == "torch" else ddp_hook(DTYPES[reduce_dtype], sm_carveout, hook == "copy_engine",
+                                                           settings["bucket_cap_mb"])
 
     def wrap(gpt: torch.nn.Module) -> torch.nn.Module:
         ddp = DistributedDataParallel(gpt, device_ids=[local_rank], **settings)
-        if hook != "torch":
-            ddp.register_comm_hook(state, copy_engine_hook if hook == "copy_engine" else average_hook)
+        if state_and_hook is not None:
+            ddp.register_comm_hook(*state_and_hook)
         return ddp
 
     return wrap
@@ -70,7 +65,8 @@ def fsdp_wrap(local_rank: int):
             gpt,
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             sharding_strategy=ShardingStrategy[s["sharding_strategy"]],
-            mixed_precision=MixedPrecision(param_dtype=DTYPES[s["param_dtype"]], reduce_dtype=DTYPES[s["reduce_dtype"]]),
+            mixed_precision=MixedPrecision(param_dtype=DTYPES[s["param_dtype"]],
+                                           reduce_dtype=DTYPES[s["reduce_dtype"]]),
             backward_prefetch=BackwardPrefetch[s["backward_prefetch"]] if s["backward_prefetch"] else None,
             forward_prefetch=s["forward_prefetch"],
             limit_all_gathers=s["limit_all_gathers"],

@@ -20,6 +20,7 @@ hook's annotations with dist.GradBucket and torch.futures.Future[torch.Tensor] a
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,3 +79,13 @@ def copy_engine_hook(state: CopyEngineState, bucket: dist.GradBucket) -> torch.f
     if bucket.is_last():
         return average_hook(state.last, bucket)
     return state.copy_engines(bucket.buffer())
+
+
+def ddp_hook(reduce_dtype: torch.dtype, sm_carveout: int = 0, copy_engine: bool = False,
+             bucket_cap_mb: float = 25) -> tuple[AllReduceState | CopyEngineState, Callable]:
+    """(state, hook) to register on a DDP model for the strategy's settings, built inside the process group: the copy
+    engines with NCCL for the last bucket, or NCCL's average on a slim communicator of sm_carveout CTAs (on the
+    world's with none). A carve-out with the copy engines is the compute kernels' only: no communicator to slim."""
+    if copy_engine:
+        return CopyEngineState.for_buckets(bucket_cap_mb, last=AllReduceState(dtype=reduce_dtype)), copy_engine_hook
+    return AllReduceState(dtype=reduce_dtype, slim=slim_group(sm_carveout) if sm_carveout else None), average_hook

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-from model.allreduce import AllReduceState, CopyEngineState, average_hook, copy_engine_hook, slim_group
+from model.allreduce import AllReduceState, average_hook, ddp_hook
 from model.gpt import Block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -100,12 +100,9 @@ class AveragingDDPStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         if self.root_device.type == "cuda":  # the process group exists by now
-            if self.sm_carveout and not self.copy_engine:
-                self._ddp_comm_state.slim = slim_group(self.sm_carveout)
-            if self.copy_engine:
-                self._ddp_comm_state = CopyEngineState.for_buckets(self._ddp_kwargs.get("bucket_cap_mb", 25),
-                                                                   last=self._ddp_comm_state)
-                self._ddp_comm_hook = copy_engine_hook
+            bucket_cap_mb = self._ddp_kwargs.get("bucket_cap_mb", 25)
+            self._ddp_comm_state, self._ddp_comm_hook = ddp_hook(self._ddp_comm_state.dtype, self.sm_carveout,
+                                                                 self.copy_engine, bucket_cap_mb)
         super().configure_ddp()
 
     def _backward_carveout(self) -> bool:
@@ -120,6 +117,18 @@ class AveragingDDPStrategy(DDPStrategy):
         if self._backward_carveout():
             torch._C._set_sm_carveout_experimental(None)
         super().post_backward(closure_loss)
+
+
+def check_comm_hook(comm_hook: str, reduce_dtype: str = "fp32", sm_carveout: int = 0, num_nodes: int = 1) -> None:
+    """Refuse, by name, a comm_hook with settings it cannot take (see data_parallel)."""
+    if comm_hook not in COMM_HOOKS:
+        raise ValueError(f"trainer.strategy.comm_hook={comm_hook!r}: use one of {', '.join(COMM_HOOKS)}")
+    if comm_hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
+        raise ValueError("trainer.strategy.comm_hook=torch reduces in fp32 on every SM: set reduce_dtype=fp32 "
+                         "and sm_carveout=0, or use comm_hook=average")
+    if comm_hook == "copy_engine" and (reduce_dtype != "fp32" or int(num_nodes) > 1):
+        raise ValueError("trainer.strategy.comm_hook=copy_engine averages fp32 buckets through the peer memory of "
+                         "one node's GPUs: set reduce_dtype=fp32 and num_nodes=1, or use comm_hook=average")
 
 
 def data_parallel(
@@ -143,14 +152,7 @@ def data_parallel(
     GPUs (model/copy_engine.py), fp32 only; a carve-out then leaves its SMs to the one-CTA barrier kernels that
     wait for the peers beside the backward, so that no persistent matmul CTA waits behind one.
     """
-    if comm_hook not in COMM_HOOKS:
-        raise ValueError(f"trainer.strategy.comm_hook={comm_hook!r}: use one of {', '.join(COMM_HOOKS)}")
-    if comm_hook == "torch" and (reduce_dtype != "fp32" or sm_carveout):
-        raise ValueError("trainer.strategy.comm_hook=torch reduces in fp32 on every SM: set reduce_dtype=fp32 "
-                         "and sm_carveout=0, or use comm_hook=average")
-    if comm_hook == "copy_engine" and (reduce_dtype != "fp32" or int(num_nodes) > 1):
-        raise ValueError("trainer.strategy.comm_hook=copy_engine averages fp32 buckets through the peer memory of "
-                         "one node's GPUs: set reduce_dtype=fp32 and num_nodes=1, or use comm_hook=average")
+    check_comm_hook(comm_hook, reduce_dtype, sm_carveout, num_nodes)
     if processes_per_node(str(accelerator), devices) * int(num_nodes) <= 1:
         return "auto"
     if comm_hook == "torch":

@@ -83,6 +83,20 @@ def test_the_copy_engine_hook_leaves_the_last_bucket_to_nccl(nccl):
     assert torch.equal(last, torch.full((3,), 0.5))
 
 
+def test_ddp_hook_builds_what_the_settings_ask_for(monkeypatch):
+    slim = object()
+    monkeypatch.setattr(allreduce, "slim_group", lambda ctas: slim if ctas == 4 else None)
+    monkeypatch.setattr(allreduce.CopyEngineState, "for_buckets",
+                        classmethod(lambda cls, mb, last: cls(copy_engines=("workspace for", mb), last=last)))
+    state, hook = allreduce.ddp_hook(torch.bfloat16)
+    assert hook is average_hook and state == AllReduceState(torch.bfloat16, None)
+    state, hook = allreduce.ddp_hook(torch.float32, sm_carveout=4)
+    assert hook is average_hook and state.slim is slim
+    state, hook = allreduce.ddp_hook(torch.float32, sm_carveout=4, copy_engine=True, bucket_cap_mb=100)
+    assert hook is copy_engine_hook and state.copy_engines == ("workspace for", 100)
+    assert state.last == AllReduceState(torch.float32, None)  # the last bucket on the world's communicator
+
+
 # --- two GPUs: the hooks against torch's own DDP all-reduce ------------------------------------------------------
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL all-reduce: needs 2 CUDA GPUs")
 
