@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
 from bench.launchers import gpu_info  # noqa: E402
+from bench.strategies import backward_sync, ddp_wrap, fsdp_wrap  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_  # noqa: E402
@@ -182,8 +183,9 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
               wrap=None, accumulation: int = 1, sharded: bool = False, **model_overrides):
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
     with the model when compile and loss=torch, as LitGPT), `accumulation` forwards and backwards of `batch`
-    sequences each (the loss scaled by 1 / accumulation, as Lightning scales it), fused AdamW, the pipeline's
-    clipping (applied by the fused step, model/distributed.py clip_grads_with_norm_). Returns (step, GPTConfig);
+    sequences each (the loss scaled by 1 / accumulation, as Lightning scales it; under DDP all-reduced once, after
+    the last), fused AdamW, the pipeline's clipping (applied by the fused step, model/distributed.py
+    clip_grads_with_norm_). Returns (step, GPTConfig);
     model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward, and
     `sharded` says that it shards the gradients over the world (FSDP): the norm is then summed over the ranks."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
@@ -200,10 +202,11 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
     inp, tgt = x[:, :-1], x[:, 1:]
 
     def step():
-        for _ in range(accumulation):  # one batch of random tokens: the kernels' time does not depend on them
-            with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
-                value = loss_fn(forward(inp), tgt, loss)
-            (value / accumulation if accumulation > 1 else value).backward()
+        for i in range(accumulation):  # one batch of random tokens: the kernels' time does not depend on them
+            with backward_sync(forward, last=i == accumulation - 1):  # DDP: one all-reduce a step, as Lightning
+                with torch.autocast("cuda", dtype=torch.bfloat16):  # as Lightning's bf16-mixed: the loss inside
+                    value = loss_fn(forward(inp), tgt, loss)
+                (value / accumulation if accumulation > 1 else value).backward()
         if sharded:
             clip_sharded_grad_norm_(gpt.parameters(), 1.0, None, opt)
         else:
@@ -264,7 +267,6 @@ def bare_rank(spec: dict) -> None:
     import torch.distributed as dist
 
     from bench.common import join_torchrun_group
-    from bench.strategies import ddp_wrap, fsdp_wrap
 
     local = join_torchrun_group()
     fsdp = spec["strategy"] == "fsdp"

@@ -4,6 +4,7 @@ pipeline runs without Lightning around it (bench/e2e.py's multi-GPU bare loop, b
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -14,6 +15,18 @@ STRATEGY_CONF = REPO / "conf" / "trainer" / "strategy"
 DDP_KWARGS = ("gradient_as_bucket_view", "broadcast_buffers", "bucket_cap_mb")  # the keys torch's DDP takes
 FSDP_KWARGS = ("sharding_strategy", "param_dtype", "reduce_dtype", "limit_all_gathers", "forward_prefetch",
                "backward_prefetch")  # the keys that shape FSDP's step (not checkpointing's)
+
+
+def backward_sync(forward: torch.nn.Module, last: bool):
+    """The context one micro-batch's backward runs in, as Lightning runs it when accumulating gradients: DDP skips
+    its all-reduce (no_sync) on every micro-batch but the step's last, so a step of K micro-batches all-reduces
+    once; FSDP (and a model with no wrapper) runs as is, FSDP reduce-scattering every micro-batch's gradients
+    (Lightning's ParallelStrategy.block_backward_sync does the same)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(forward, DistributedDataParallel) and not last:
+        return forward.no_sync()
+    return contextlib.nullcontext()
 
 
 def strategy_settings(name: str, keys: tuple[str, ...]) -> dict:

@@ -32,3 +32,37 @@ def test_the_bare_loops_fsdp_settings_are_the_pipelines():
 def test_a_setting_the_conf_lacks_is_named():
     with pytest.raises(KeyError, match="conf/trainer/strategy/fsdp.yaml has no bucket_cap_mb"):
         strategies.strategy_settings("fsdp", ("bucket_cap_mb", "sharding_strategy"))
+
+
+def test_the_bare_loops_accumulation_all_reduces_once_a_step_under_ddp(tmp_path):
+    """Three micro-batches in backward_sync, as bench/e2e.py's bare step runs them: DDP's hook runs for the last
+    one only (Lightning's no_sync), and the gradient it averages holds all three; a module with no DDP around it
+    gets a context that changes nothing."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 2))
+        reduced = []
+
+        def hook(state, bucket):  # counts the all-reduces; world of one: the average is the bucket itself
+            reduced.append(bucket.buffer().clone())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        xs = torch.randn(3, 5, 4)
+        for i, x in enumerate(xs):
+            with strategies.backward_sync(ddp, last=i == len(xs) - 1):
+                ddp(x).sum().backward()
+        assert len(reduced) == 1
+        assert torch.allclose(ddp.module.bias.grad, torch.full((2,), 15.0))  # 3 micro-batches x 5 rows each
+        assert torch.allclose(ddp.module.weight.grad, xs.sum(dim=(0, 1)).expand(2, 4))
+    finally:
+        dist.destroy_process_group()
+    plain = torch.nn.Linear(4, 2)
+    with strategies.backward_sync(plain, last=False) as ctx:
+        assert ctx is None
