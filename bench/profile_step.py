@@ -8,6 +8,7 @@ memset running), where the GPU waits for the host.
 
     python bench/profile_step.py --model gpt3-1.3b --seq-len 2048 --attention flash
     python bench/profile_step.py --seq-len 8192 --compile --set fp32_residual=true
+    python bench/profile_step.py --seq-len 8192 --micro-batches 8   # 8 accumulated micro-batches per optimizer step
 
 Under torchrun (WORLD_SIZE > 1) the step runs in DDP with conf/trainer/strategy/data_parallel.yaml's settings
 (--reduce-dtype and --sm-carveout are its keys of the same names; --hook torch runs torch's own all-reduce
@@ -22,8 +23,8 @@ same case show what the overlap costs compute.
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook copy_engine
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --strategy fsdp
 
-Rows merge into bench/results/profile.json, keyed by device and case (model, T, attention, compile, --set, and
-the world size, all-reduce, reduce dtype, carve-out and NCCL protocol).
+Rows merge into bench/results/profile.json, keyed by device and case (model, T, micro-batches, attention, compile,
+--set, and the world size, all-reduce, reduce dtype, carve-out and NCCL protocol).
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ def table(row: dict, top: int) -> str:
     else:
         where = f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})"
     carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
-    lines = [f"{row['model']} {row['batch']}×{row['seq_len']} attention={row['attention']} compile={row['compile']} "
-             f"{row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
+    micro = f" × {row['accumulation']} micro-batches" if row.get("accumulation", 1) > 1 else ""
+    lines = [f"{row['model']} {row['batch']}×{row['seq_len']}{micro} attention={row['attention']} "
+             f"compile={row['compile']} {row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
              "", "| kernels | ms per step | share of kernel time |", "|---|---|---|"]
     total = row["categories"]["all kernels"]
     for cat, ms in row["categories"].items():
@@ -198,7 +200,7 @@ def table(row: dict, top: int) -> str:
 def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
             r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"),
-            r.get("strategy", "ddp"))
+            r.get("strategy", "ddp"), r.get("accumulation", 1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -206,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="gpt3-1.3b")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="batch = this // seq-len")
+    ap.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                    help="forwards and backwards of that batch per optimizer step, gradients accumulated (under DDP "
+                         "all-reduced after the last, as Lightning); the table stays per optimizer step")
     ap.add_argument("--attention", default="flash")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="GPTConfig fields, e.g. fp32_residual=true")
@@ -223,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
     args = ap.parse_args(argv)
     overrides = parse_sets(args.set)
+    if args.micro_batches < 1:
+        raise SystemExit(f"--micro-batches {args.micro_batches}: an optimizer step takes at least one")
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile_step.py profiles CUDA kernels; no CUDA device here")
 
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local, args.reduce_dtype, args.sm_carveout, args.hook)
     batch = max(1, args.tokens_per_step // args.seq_len)
     step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, sharded=fsdp,
-                        **overrides)
+                        accumulation=args.micro_batches, **overrides)
     kernels, wall_ms, events = profile(step, args.warmup, args.steps)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -251,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
             return
     row = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
-        "model": args.model, "seq_len": args.seq_len, "batch": batch, "attention": args.attention,
+        "model": args.model, "seq_len": args.seq_len, "batch": batch,
+        **({"accumulation": args.micro_batches} if args.micro_batches > 1 else {}), "attention": args.attention,
         "compile": args.compile, "set": " ".join(sorted(args.set)),
         **({"kernel": KERNEL_VERSION} if args.attention == "flash" else {}),
         "sm_carveout": args.sm_carveout,

@@ -104,3 +104,16 @@ def test_gpu_timeline_spans_first_to_last_event_and_counts_the_gaps():
            "kernels": {"nvjet_a": 6.0}, "timeline": {"span_ms": 9.5, "idle_ms": 3.5}}
     assert "9.5 ms per step from the first kernel to the last, 3.5 ms of it with nothing running" in \
         profile_step.table(row, top=1)
+
+
+def test_an_accumulated_row_is_its_own_case_and_says_so(monkeypatch):
+    base = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
+            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0}),
+            "kernels": {"nvjet_a": 6.0}}
+    accumulated = {**base, "accumulation": 8}
+    assert profile_step._key(base) != profile_step._key(accumulated)
+    assert "2×8192 × 8 micro-batches attention=flash" in profile_step.table(accumulated, top=1).splitlines()[0]
+    assert "micro-batches" not in profile_step.table(base, top=1).splitlines()[0]
+    monkeypatch.setattr(profile_step.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="--micro-batches 0"):
+        profile_step.main(["--micro-batches", "0"])
