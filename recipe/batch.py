@@ -1,9 +1,10 @@
 """The global batch: what data.batch_size and global_batch_tokens mean when the GPU count changes.
 
 data.batch_size is per rank and per micro-batch, so by default the tokens per GPU step are fixed and the
-global batch grows with the GPUs: data.batch_size × seq_len × world_size tokens per optimizer step (the FA2
-paper's protocol, 16k tokens per GPU). With global_batch_tokens set, the global batch is fixed instead:
-each rank accumulates micro-batches until the ranks together reach it.
+global batch grows with the GPUs: data.batch_size × seq_len × world_size tokens per optimizer step (16k tokens
+per GPU in conf/experiment/fa2_*.yaml). With global_batch_tokens set, the global batch is fixed instead:
+each rank accumulates micro-batches until the ranks together reach it (the FA2 paper's runs hold 1M tokens:
+global_batch_tokens=1048576).
 """
 
 from __future__ import annotations
