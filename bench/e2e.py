@@ -196,7 +196,8 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
     `sharded` says that it shards the gradients over the world (FSDP): the norm is then summed over the ranks."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
-    gpt = GPT(cfg).cuda()
+    with torch.device("cuda"):  # made and initialized on the GPU, as train.py's init_device has it
+        gpt = GPT(cfg)
     loss_fn = next_token_loss
     if compile:
         gpt.compile()

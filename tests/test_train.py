@@ -252,3 +252,19 @@ def test_progress_bar_of_a_resumed_run_has_a_total_and_counts_from_its_step():
         assert "210/300" in str(tqdm_bar)
     finally:
         tqdm_bar.close()
+
+
+def test_the_model_is_made_on_the_trainers_device_but_under_fsdp(data_cache, tmp_path):
+    """train.init_device: every parameter and buffer of the module is made on the trainer's device (the meta device
+    stands in for a GPU here: nothing lands on the CPU); under FSDP on the CPU, where Lightning's FSDP takes it."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    cfg = _cfg(data_cache, tmp_path)
+    on_meta = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")))
+    with train_mod.init_device(on_meta):
+        module = train_mod.build_module(cfg, vocab_size=256)
+    assert {t.device.type for t in [*module.parameters(), *module.buffers()]} == {"meta"}
+    with train_mod.init_device(SimpleNamespace(strategy=FSDPStrategy())):
+        assert torch.empty(1).device.type == "cpu"
