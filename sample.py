@@ -80,7 +80,8 @@ def sample(cfg: DictConfig) -> list[str]:
     tokenizer = load_tokenizer(cfg, meta)
     ids = tokenizer.encode(cfg.prompt).ids or [eot_id(tokenizer)]  # an empty prompt starts a new document
     check_room(len(ids), cfg.max_new_tokens, model_cfg.seq_len)  # before loading the weights
-    model = GPT(model_cfg)
+    with device:  # made where it runs: no CPU init of weights the checkpoint replaces (train.py's init_device)
+        model = GPT(model_cfg)
     load_weights(model, cfg.ckpt_path, meta)
     # bf16 on a GPU (the kernel's dtype), fp32 on the CPU
     model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -1,5 +1,6 @@
-"""sample.py on CPU: a tiny model trained on a short repeated text continues it; checkpoints load from a file and
-from a directory of shards; bad input gets a named error. Also val/ppl beside val/loss."""
+"""sample.py on CPU (and on a GPU where there is one): a tiny model trained on a short repeated text continues it;
+checkpoints load from a file and from a directory of shards; bad input gets a named error. Also val/ppl beside
+val/loss."""
 
 import math
 import subprocess
@@ -43,6 +44,19 @@ def trained(tmp_path_factory):
     return root / "run" / "checkpoints" / "last.ckpt", metrics
 
 
+def _shards(ckpt, tmp_path):
+    """ckpt rewritten as a directory of shards in the layout of Lightning's FSDPStrategy (state_dict_type=sharded):
+    torch.distributed.checkpoint files of {"model": state_dict, "optimizer_0": ...} plus meta.pt with the rest."""
+    from torch.distributed.checkpoint import save
+
+    full = torch.load(ckpt, map_location="cpu", weights_only=False)
+    sharded = tmp_path / "last.ckpt"
+    save({"model": full.pop("state_dict"), "optimizer_0": full.pop("optimizer_states")[0]},
+         checkpoint_id=sharded, no_dist=True)
+    torch.save(full, sharded / "meta.pt")
+    return sharded
+
+
 def _sample(ckpt, *overrides):
     return sample(_compose("sample", f"ckpt_path={ckpt}", *overrides))
 
@@ -61,6 +75,20 @@ def test_sampling_continues_the_repeated_text(trained):
     assert len(texts) == 3 and all(t.startswith("the lazy dog. the quick") for t in texts), texts
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sampling on a GPU: needs CUDA")
+@pytest.mark.parametrize("attention", ["sdpa", "auto"])  # auto: our kernel where it is built for this head dim
+def test_on_a_gpu_sampling_continues_the_repeated_text_from_a_file_and_from_shards(trained, tmp_path, attention):
+    """The model made on the GPU, the weights loaded there (a file; FSDP's shards), bf16: the greedy continuation is
+    the text's, and the shards give the file's tokens."""
+    ckpt, _ = trained
+    sharded = _shards(ckpt, tmp_path)
+    args = ("device=cuda", f"attention={attention}", "prompt=the quick brown", "max_new_tokens=20", "temperature=0")
+    (text,) = _sample(ckpt, *args)
+    assert text.startswith("the quick brown fox jumps over the lazy dog. the quick brown fox"), text
+    assert _sample(sharded, *args) == [text]
+
+
 def test_sample_command_line(trained):
     ckpt, _ = trained
     proc = subprocess.run([sys.executable, "sample.py", f"ckpt_path={ckpt}", "prompt=the quick", "max_new_tokens=8",
@@ -71,16 +99,9 @@ def test_sample_command_line(trained):
 
 
 def test_sharded_checkpoint_samples_like_the_file(trained, tmp_path):
-    """A directory of shards in the layout of Lightning's FSDPStrategy (state_dict_type=sharded):
-    torch.distributed.checkpoint files of {"model": state_dict, "optimizer_0": ...} plus meta.pt with the rest."""
-    from torch.distributed.checkpoint import save
-
+    """FSDP's directory of shards (_shards) samples the file's tokens and loads the file's weights."""
     ckpt, _ = trained
-    full = torch.load(ckpt, map_location="cpu", weights_only=False)
-    sharded = tmp_path / "last.ckpt"
-    save({"model": full.pop("state_dict"), "optimizer_0": full.pop("optimizer_states")[0]},
-         checkpoint_id=sharded, no_dist=True)
-    torch.save(full, sharded / "meta.pt")
+    sharded = _shards(ckpt, tmp_path)
     args = ("prompt=the quick", "max_new_tokens=10", "temperature=0")
     assert _sample(sharded, *args) == _sample(ckpt, *args)
     meta = read_metadata(sharded)
