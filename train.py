@@ -23,6 +23,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -70,9 +71,10 @@ def build_module(cfg: DictConfig, vocab_size: int) -> LitGPT:
 def init_device(trainer: L.Trainer):
     """The device the model's weights are made and initialized on: the trainer's. On a CPU, GPT3-1.3B takes 20 s to
     make (2 cores; most of it the serial random draws of nn.Linear's init and GPT._init_weights, which more threads
-    do not speed up). The dtype stays the model's; precision plugins convert it as before. Under FSDP on the CPU, as
-    before: Lightning's FSDP moves each Block to its GPU as it shards it."""
-    if isinstance(trainer.strategy, FSDPStrategy):
+    do not speed up). The dtype stays the model's; precision plugins convert it as before. On the CPU, as before,
+    under FSDP (Lightning's FSDP moves each Block to its GPU as it shards it) and where Lightning starts the ranks
+    by multiprocessing (ddp_spawn, ddp_fork: this process must not touch CUDA before they start)."""
+    if isinstance(trainer.strategy, FSDPStrategy) or isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         return contextlib.nullcontext()
     return trainer.strategy.root_device  # a torch.device is a context manager for where tensors are created
 

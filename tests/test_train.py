@@ -256,15 +256,22 @@ def test_progress_bar_of_a_resumed_run_has_a_total_and_counts_from_its_step():
 
 def test_the_model_is_made_on_the_trainers_device_but_under_fsdp(data_cache, tmp_path):
     """train.init_device: every parameter and buffer of the module is made on the trainer's device (the meta device
-    stands in for a GPU here: nothing lands on the CPU); under FSDP on the CPU, where Lightning's FSDP takes it."""
+    stands in for a GPU here: nothing lands on the CPU); on the CPU under FSDP, where Lightning's FSDP takes it, and
+    where Lightning starts the ranks by multiprocessing (ddp_spawn), which CUDA in this process would break."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
 
     cfg = _cfg(data_cache, tmp_path)
-    on_meta = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")))
+    on_meta = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta"), launcher=None))
     with train_mod.init_device(on_meta):
         module = train_mod.build_module(cfg, vocab_size=256)
     assert {t.device.type for t in [*module.parameters(), *module.buffers()]} == {"meta"}
     with train_mod.init_device(SimpleNamespace(strategy=FSDPStrategy())):
+        assert torch.empty(1).device.type == "cpu"
+    import lightning as L
+
+    spawn = L.Trainer(accelerator="cpu", strategy="ddp_spawn", devices=2, logger=False)
+    spawn.strategy.parallel_devices = [torch.device("meta")] * 2  # would be the GPUs: the context must not use them
+    with train_mod.init_device(spawn):
         assert torch.empty(1).device.type == "cpu"
