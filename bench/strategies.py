@@ -62,29 +62,20 @@ def ddp_wrap(local_rank: int, reduce_dtype: str = "fp32", sm_carveout: int = 0, 
 
 
 def fsdp_wrap(local_rank: int):
-    """A function that wraps the GPT in FSDP as trainer=fsdp does under bf16-mixed (fsdp.yaml; model/distributed.py
-    fsdp_strategy): one unit per Block, bf16 gathered weights, gradients reduced in reduce_dtype, the original
-    parameters kept (the optimizer is built on them after wrapping). Call it inside the process group."""
-    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    """A function that wraps the GPT in FSDP as trainer=fsdp does under bf16-mixed: the pipeline's own FSDPStrategy
+    (model/distributed.py fsdp_strategy with fsdp.yaml's settings) gives the arguments Lightning passes to FSDP, one
+    unit per Block, bf16 gathered weights, the original parameters kept (the optimizer is built on them after
+    wrapping). Call it inside the process group."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from model.distributed import DTYPES
-    from model.gpt import Block
+    from model.distributed import fsdp_strategy
 
-    s = strategy_settings("fsdp", FSDP_KWARGS)
+    pipeline = fsdp_strategy(precision="bf16-mixed", **strategy_settings("fsdp", FSDP_KWARGS))
 
-    def wrap(gpt: torch.nn.Module) -> torch.nn.Module:
-        return FullyShardedDataParallel(
-            gpt,
-            auto_wrap_policy=ModuleWrapPolicy({Block}),
-            sharding_strategy=ShardingStrategy[s["sharding_strategy"]],
-            mixed_precision=MixedPrecision(param_dtype=DTYPES[s["param_dtype"]],
-                                           reduce_dtype=DTYPES[s["reduce_dtype"]]),
-            backward_prefetch=BackwardPrefetch[s["backward_prefetch"]] if s["backward_prefetch"] else None,
-            forward_prefetch=s["forward_prefetch"],
-            limit_all_gathers=s["limit_all_gathers"],
-            use_orig_params=True,
-            device_id=local_rank,
-        )
+    def wrap(gpt: torch.nn.Module) -> torch.nn.Module:  # as Lightning's FSDPStrategy._setup_model
+        return FullyShardedDataParallel(gpt, cpu_offload=pipeline.cpu_offload,
+                                        mixed_precision=pipeline.mixed_precision_config,
+                                        sharding_strategy=pipeline.sharding_strategy, device_id=local_rank,
+                                        **pipeline.kwargs)
 
     return wrap

@@ -66,3 +66,22 @@ def test_the_bare_loops_accumulation_all_reduces_once_a_step_under_ddp(tmp_path)
     plain = torch.nn.Linear(4, 2)
     with strategies.backward_sync(plain, last=False) as ctx:
         assert ctx is None
+
+
+def test_the_bare_loops_fsdp_takes_the_pipelines_arguments(monkeypatch):
+    """fsdp_wrap hands FSDP what the pipeline's strategy holds: one unit per Block, bf16 gathered weights and fp32
+    reduction, fsdp.yaml's sharding and prefetch, the original parameters, this rank's GPU."""
+    import torch.distributed.fsdp as fsdp
+
+    from model.gpt import Block
+
+    seen = {}
+    monkeypatch.setattr(fsdp, "FullyShardedDataParallel", lambda module, **kwargs: seen.update(kwargs) or module)
+    gpt = torch.nn.Linear(2, 2)
+    assert strategies.fsdp_wrap(3)(gpt) is gpt
+    assert seen["device_id"] == 3 and seen["use_orig_params"] is True
+    assert seen["auto_wrap_policy"]._module_classes == {Block}
+    assert (seen["mixed_precision"].param_dtype, seen["mixed_precision"].reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert seen["sharding_strategy"] == fsdp.ShardingStrategy.FULL_SHARD
+    assert seen["backward_prefetch"] == fsdp.BackwardPrefetch.BACKWARD_PRE
+    assert (seen["forward_prefetch"], seen["limit_all_gathers"]) == (True, False)
