@@ -84,7 +84,7 @@ def sample(cfg: DictConfig) -> list[str]:
         model = GPT(model_cfg)
     load_weights(model, cfg.ckpt_path, meta)
     # bf16 on a GPU (the kernel's dtype), fp32 on the CPU
-    model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.to(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     prompt = torch.tensor([ids] * cfg.num_samples, device=device)  # (num_samples, T0)
     out = generate(model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator)

@@ -4,8 +4,9 @@ buckets (bucket_cap_mb, fp32 or bf16) and the tied embedding's last bucket cost 
 Each protocol runs in its own torchrun world (NCCL reads NCCL_PROTO when the communicator starts); "auto"
 leaves the choice to NCCL's tuner, and "copy_engine" is not NCCL's: model/copy_engine.py's mean on the copy
 engines (fp32 only; its rows time a bucket's copies, mean and barriers on its own stream). Sizes are the
-buffer's bytes; times are CUDA-event medians of --iters calls after --warmup. algbw = bytes / time; busbw = algbw · 2(W-1)/W (what each link carries, the figure
-nccl-tests prints). The transport lines NCCL logs (P2P, SHM, NVLS) come first.
+buffer's bytes; times are CUDA-event medians of --iters calls after --warmup. algbw = bytes / time;
+busbw = algbw · 2(W-1)/W (what each link carries, the figure nccl-tests prints). The transport lines NCCL logs
+(P2P, SHM, NVLS) come first.
 
     python bench/allreduce.py                            # every GPU, protocols auto LL LL128 Simple
     python bench/allreduce.py --protocols auto Simple --sizes-mb 25 412

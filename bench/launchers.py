@@ -220,9 +220,8 @@ def _fmt(value, digits: int = 0, scale: float = 1.0) -> str:
 def _ratio(r: dict, base: dict | None) -> str:
     """r's per-GPU tokens/s over base's, when both ran in one invocation of this script ('run'): the same
     machine minutes apart; a baseline from another run would carry that machine's drift into the ratio."""
-    if base is None or base is r or base.get("status") != "ok" or r.get("status") != "ok":
-        return "–"
-    if base.get("run") != r.get("run"):
+    if (base is None or base is r or base.get("status") != "ok" or r.get("status") != "ok"
+            or base.get("run") != r.get("run")):
         return "–"
     return f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}"
 
