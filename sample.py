@@ -33,10 +33,11 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _attention(name: str, head_dim: int, device: torch.device) -> str:
-    """auto: flash on a GPU whose kernel is built and runs this head dim, else sdpa."""
-    if name != "auto":
-        return name
+def _attention(cfg: DictConfig, head_dim: int, device: torch.device) -> str:
+    """The attention=<name> given (conf/attention/), else flash on a GPU whose kernel is built and runs this head
+    dim, else sdpa."""
+    if cfg.get("attention"):
+        return cfg.attention.name
     if device.type == "cuda":
         import flash_kernel
 
@@ -75,7 +76,7 @@ def sample(cfg: DictConfig) -> list[str]:
         check_model_matches(saved, configured, cfg.ckpt_path)
     device = _device(cfg.device)
     head_dim = saved["d_model"] // saved["n_head"]
-    model_cfg = GPTConfig(**{**saved, "attention": _attention(cfg.attention, head_dim, device), "dropout": 0.0,
+    model_cfg = GPTConfig(**{**saved, "attention": _attention(cfg, head_dim, device), "dropout": 0.0,
                              "activation_checkpointing": False})
     tokenizer = load_tokenizer(cfg, meta)
     ids = tokenizer.encode(cfg.prompt).ids or [eot_id(tokenizer)]  # an empty prompt starts a new document

@@ -77,16 +77,28 @@ def test_sampling_continues_the_repeated_text(trained):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sampling on a GPU: needs CUDA")
-@pytest.mark.parametrize("attention", ["sdpa", "auto"])  # auto: our kernel where it is built for this head dim
+@pytest.mark.parametrize("attention", ["sdpa", None])  # None: our kernel where it is built for this head dim
 def test_on_a_gpu_sampling_continues_the_repeated_text_from_a_file_and_from_shards(trained, tmp_path, attention):
     """The model made on the GPU, the weights loaded there (a file; FSDP's shards), bf16: the greedy continuation is
     the text's, and the shards give the file's tokens."""
     ckpt, _ = trained
     sharded = _shards(ckpt, tmp_path)
-    args = ("device=cuda", f"attention={attention}", "prompt=the quick brown", "max_new_tokens=20", "temperature=0")
+    args = ("device=cuda", "prompt=the quick brown", "max_new_tokens=20", "temperature=0")
+    args += (f"attention={attention}",) if attention else ()
     (text,) = _sample(ckpt, *args)
     assert text.startswith("the quick brown fox jumps over the lazy dog. the quick brown fox"), text
     assert _sample(sharded, *args) == [text]
+
+
+def test_attention_is_chosen_as_train_py_chooses_it(trained):
+    """attention=<name> is the config group train.py takes (conf/attention/); without it, sdpa on the CPU."""
+    ckpt, _ = trained
+    args = ("device=cpu", "prompt=the quick brown", "max_new_tokens=20", "temperature=0")
+    assert _compose("sample", "ckpt_path=x", "attention=naive").attention.name == "naive"
+    assert "attention" not in _compose("sample", "ckpt_path=x")
+    (text,) = _sample(ckpt, *args, "attention=naive")
+    assert _sample(ckpt, *args) == [text]
+    assert text.startswith("the quick brown fox jumps over the lazy dog. the quick brown fox"), text
 
 
 def test_sample_command_line(trained):
