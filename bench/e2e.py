@@ -25,6 +25,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
                                                           # sdpa, flash, sdpa, flash, ...: medians of 3 runs each
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --gpus 2 --strategy fsdp \
+        --strategy-set sharding_strategy=SHARD_GRAD_OP            # a strategy setting changed, pipeline and bare
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss torch  # loss=torch rows
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --set fused_add_norm=true  # model fields
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --modes pipeline --rounds 3 \
@@ -37,6 +39,8 @@ subprocess (Lightning starts the ranks), read back from the run's metrics.json (
 per GPU step stay --tokens-per-step, so the global batch grows with N), and the bare loop runs under
 `torchrun --nproc_per_node=N` wrapped in the same DDP or FSDP (bench/strategies.py), rank 0 timing it. Their rows
 record the GPU0-GPU1 link (`nvidia-smi topo -m`, e.g. NV18), which the table's GPUs column shows.
+`--strategy-set KEY=VALUE` changes settings of the strategy's conf/trainer/strategy/ file in both (the rows are
+their own cases; the GPUs column names the settings, and the per-GPU ratio is against the one-GPU row).
 Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so runs of a few minutes each add up.
 """
 
@@ -65,7 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
 from bench.launchers import gpu_info  # noqa: E402
-from bench.strategies import backward_sync, ddp_wrap, fsdp_wrap  # noqa: E402
+from bench.strategies import backward_sync, check_settings, ddp_wrap, fsdp_wrap  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_  # noqa: E402
@@ -84,10 +88,11 @@ FA2_PAPER_A100 = {("gpt3-1.3b", 2048): 196, ("gpt3-1.3b", 8192): 220, ("gpt3-2.7
 
 def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bool, steps: int, log_every: int,
                trainer: str = "gpu", loss: str = "torch", document_mask: bool = False, accumulation: int = 1,
-               gpus: int = 1, sets: tuple[str, ...] = ()) -> list[str]:
+               gpus: int = 1, sets: tuple[str, ...] = (), strategy_sets: tuple[str, ...] = ()) -> list[str]:
     """train.py's overrides for one case: `batch` sequences per forward, `accumulation` forwards per optimizer step
     on each of `gpus` GPUs (global_batch_tokens holds the product; recipe/batch.py derives the accumulation);
-    `sets` are --set's key=value model fields, applied after the preset."""
+    `sets` are --set's key=value model fields, applied after the preset, `strategy_sets` --strategy-set's
+    key=value settings of the trainer's strategy."""
     held = [f"global_batch_tokens={batch * seq_len * accumulation * gpus}"] if accumulation > 1 else []
     return [
         *held,
@@ -107,6 +112,7 @@ def _overrides(model: str, seq_len: int, batch: int, attention: str, compile: bo
         "~callbacks.checkpoint",
         "logger=none",
         *(f"model.{item}" for item in sets),
+        *(f"trainer.strategy.{item}" for item in strategy_sets),
     ]
 
 
@@ -171,16 +177,17 @@ def launch_train(overrides: list[str], run_dir: Path, timeout: float = 900) -> d
 
 def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
                        gpus: int, strategy: str, loss: str = "torch", document_mask: bool = False,
-                       accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
-    """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml."""
+                       accumulation: int = 1, sets: tuple[str, ...] = (),
+                       strategy_sets: tuple[str, ...] = ()) -> dict:
+    """The real launch path on `gpus` GPUs with conf/trainer/<strategy>.yaml and `strategy_sets`' settings."""
     _check_steps(warmup, steps)
     run_dir = RESULTS / "runs" / (f"{model}_{batch}x{seq_len}{f'x{accumulation}acc' if accumulation > 1 else ''}_"
                                   f"{attention}{'_compiled' if compile else ''}_{gpus}x{strategy}"
                                   f"{'_fused_loss' if loss == 'fused' else ''}{'_docmask' if document_mask else ''}"
-                                  f"{''.join('_' + item.replace('=', '-') for item in sets)}")
+                                  f"{''.join('_' + item.replace('=', '-') for item in (*sets, *strategy_sets))}")
     overrides = [*_overrides(model, seq_len, batch, attention, compile, warmup + steps, warmup, trainer=strategy,
                              loss=loss, document_mask=document_mask, accumulation=accumulation, gpus=gpus,
-                             sets=sets),
+                             sets=sets, strategy_sets=strategy_sets),
                  f"trainer.devices={gpus}", f"callbacks.perf.window={steps // warmup + 1}"]
     return rates(launch_train(overrides, run_dir))
 
@@ -250,12 +257,13 @@ BARE_RESULT = "[e2e bare] "  # how a multi-GPU bare loop's rank 0 prints its res
 
 def run_bare_multi(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
                    gpus: int, strategy: str, loss: str = "torch", accumulation: int = 1,
-                   sets: tuple[str, ...] = (), timeout: float = 900) -> dict:
+                   sets: tuple[str, ...] = (), strategy_sets: tuple[str, ...] = (), timeout: float = 900) -> dict:
     """The bare loop on `gpus` GPUs: `torchrun --standalone --nproc_per_node=gpus bench/e2e.py --bare-rank SPEC`,
-    each rank running bare_step in the pipeline's DDP or FSDP (bench/strategies.py); rank 0's rates, per GPU."""
+    each rank running bare_step in the pipeline's DDP or FSDP (bench/strategies.py) with `strategy_sets`' settings;
+    rank 0's rates, per GPU."""
     spec = {"model": model, "seq_len": seq_len, "batch": batch, "attention": attention, "compile": compile,
             "warmup": warmup, "steps": steps, "strategy": strategy, "loss": loss, "accumulation": accumulation,
-            "sets": list(sets)}
+            "sets": list(sets), "strategy_sets": list(strategy_sets)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            str(Path(__file__).resolve()), "--bare-rank", json.dumps(spec)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -277,7 +285,8 @@ def bare_rank(spec: dict) -> None:
 
     local = join_torchrun_group()
     fsdp = spec["strategy"] == "fsdp"
-    wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local)
+    settings = parse_sets(spec["strategy_sets"], "--strategy-set")
+    wrap = fsdp_wrap(local, settings) if fsdp else ddp_wrap(local, settings)
     try:
         out = run_bare(spec["model"], spec["seq_len"], spec["batch"], spec["attention"], spec["compile"],
                        spec["warmup"], spec["steps"], spec["loss"], spec["accumulation"], tuple(spec["sets"]),
@@ -313,14 +322,14 @@ def _free_cuda() -> None:
 
 def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
              gpus: int = 1, strategy: str = "single", loss: str = "torch", document_mask: bool = False,
-             accumulation: int = 1, sets: tuple[str, ...] = ()) -> dict:
+             accumulation: int = 1, sets: tuple[str, ...] = (), strategy_sets: tuple[str, ...] = ()) -> dict:
     try:
         if gpus > 1 and mode == "pipeline":
             out = run_pipeline_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
-                                     document_mask, accumulation, sets)
+                                     document_mask, accumulation, sets, strategy_sets)
         elif gpus > 1:
             out = run_bare_multi(model, seq_len, batch, attention, compile, warmup, steps, gpus, strategy, loss,
-                                 accumulation, sets)
+                                 accumulation, sets, strategy_sets)
         elif mode == "pipeline":
             out = run_pipeline(model, seq_len, batch, attention, compile, warmup, steps, loss, document_mask,
                                accumulation, sets)
@@ -340,7 +349,10 @@ def run_case(mode: str, model: str, seq_len: int, batch: int, attention: str, co
 # --- results: JSON merge, table, figure --------------------------------------------------------------
 
 def _gpus(r: dict) -> tuple[int, str]:
-    return r.get("gpus", 1), r.get("strategy", "single")  # rows from before multi-GPU runs: one GPU
+    """(GPUs, strategy): 'single', 'ddp', or the strategy with the settings --strategy-set changed
+    ('fsdp sharding_strategy=SHARD_GRAD_OP'), so that such a row is a case of its own."""
+    strategy = r.get("strategy", "single")  # rows from before multi-GPU runs: one GPU
+    return r.get("gpus", 1), f"{strategy} {r['strategy_set']}" if r.get("strategy_set") else strategy
 
 
 def _attention(r: dict) -> str:
@@ -532,6 +544,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
     ap.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts to run (N > 1: train.py with --strategy)")
     ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
+    ap.add_argument("--strategy-set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="settings of the strategy's conf/trainer/strategy/ file for the --gpus N > 1 cases, the "
+                         "pipeline's (trainer.strategy.KEY=VALUE) and the bare loop's alike, e.g. --strategy fsdp "
+                         "--strategy-set sharding_strategy=SHARD_GRAD_OP; the GPUs column names them")
     ap.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps (also the log interval)")
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (a multiple of --warmup)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -556,6 +572,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = {T: batch_and_accumulation(args.tokens_per_step, T, args.micro_batch) for T in args.seqlens}
     parse_sets(args.set), parse_sets(args.vs, "--vs")  # a malformed item stops here, before any case runs
     args.variants = variants(args.set, args.vs)
+    args.strategy_sets = tuple(sorted(args.strategy_set))
+    if args.strategy_sets:
+        if max(args.gpus) == 1:
+            raise SystemExit("--strategy-set changes the multi-GPU strategy: give --gpus N > 1")
+        try:
+            settings = parse_sets(args.strategy_set, "--strategy-set", "a setting of the strategy's conf file")
+            check_settings(args.strategy, settings, bare="bare" in args.modes)
+        except ValueError as err:
+            raise SystemExit(f"--strategy-set: {err}") from None
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: run every case at least once")
     return args
@@ -587,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
         # Rounds run every case in turn, so that a drift of the GPU's clocks or temperature over the run reaches
         # every case alike (METHOD: medians over interleaved rounds).
         for rnd, (model, T, attn, comp, gpus, docs, sets) in ((i, c) for i in range(args.rounds) for c in cases):
-            strategy = args.strategy if gpus > 1 else "single"
+            strategy, strategy_sets = (args.strategy, args.strategy_sets) if gpus > 1 else ("single", ())
             B, K = args.batches[T]
             variant = " ".join(sets)  # the row's "set" field; "" for the preset as it is
             # the bare loop has no data: no documents
@@ -597,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue  # out of memory (or failed) once: not run again
                 t0 = time.perf_counter()
                 done.append(run_case(mode, model, T, B, attn, comp, args.warmup, args.steps, gpus, strategy, args.loss,
-                                     docs, K, sets))
+                                     docs, K, sets, strategy_sets))
                 r = combine_rounds(done)
                 r.update(meta, mode=mode, model=model, seq_len=T, batch=B, attention=attn, compile=comp,
                          **({"accumulation": K} if K > 1 else {}), **({"set": variant} if variant else {}),
@@ -605,11 +630,13 @@ def main(argv: list[str] | None = None) -> None:
                          qkv="views" if docs else qkv_layout(model, attn, sets),  # documents: q, k, v views
                          **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}),
-                         **({"interconnect": link} if gpus > 1 and link else {}))
+                         **({"interconnect": link} if gpus > 1 and link else {}),
+                         **({"strategy_set": " ".join(strategy_sets)} if strategy_sets else {}))
                 new[(model, T, attn, comp, gpus, docs, sets, mode)] = r
                 this = done[-1]
                 print(
-                    f"[e2e] {mode:8s} {model} {_batch(B, K)}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} {strategy} "
+                    f"[e2e] {mode:8s} {model} {_batch(B, K)}×{T} {attn:5s} compile={comp!s:5s} gpus={gpus} "
+                    f"{' '.join((strategy, *strategy_sets))} "
                     f"{'document mask ' if docs else ''}{variant + ' ' if variant and len(args.variants) > 1 else ''}"
                     f"{f'round {rnd + 1}/{args.rounds} ' if args.rounds > 1 else ''}"
                     f"-> {this['status']} {_fmt(this, 'tokens_per_s')} tok/s/GPU {_fmt(this, 'tflops_per_gpu', 1, 1)} "

@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
                          "--sm-carveout or --hook")
     if world > 1:  # the pipeline's DDP or FSDP (bench/strategies.py) in torchrun's process group
         local = join_torchrun_group()
-        wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local, args.reduce_dtype, args.sm_carveout, args.hook)
+        wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local, {"reduce_dtype": args.reduce_dtype,
+                                                               "sm_carveout": args.sm_carveout, "comm_hook": args.hook})
     batch = max(1, args.tokens_per_step // args.seq_len)
     step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, sharded=fsdp,
                         accumulation=args.micro_batches, **overrides)

@@ -15,6 +15,12 @@ STRATEGY_CONF = REPO / "conf" / "trainer" / "strategy"
 DDP_KWARGS = ("gradient_as_bucket_view", "broadcast_buffers", "bucket_cap_mb")  # the keys torch's DDP takes
 FSDP_KWARGS = ("sharding_strategy", "param_dtype", "reduce_dtype", "limit_all_gathers", "forward_prefetch",
                "backward_prefetch")  # the keys that shape FSDP's step (not checkpointing's)
+DDP_HOOK_KEYS = ("reduce_dtype", "sm_carveout", "comm_hook")  # model/allreduce.py's hook for DDP's buckets
+STRATEGY_FILES = {"ddp": "data_parallel", "fsdp": "fsdp"}  # a strategy's settings: conf/trainer/strategy/<file>.yaml
+# The settings bench/e2e.py's bare loop runs as the pipeline does; the carve-out also needs the matmuls to leave SMs
+# free (model/distributed.set_sm_carveout), which bench/profile_step.py sets and the bare loop does not.
+BARE_KEYS = {"ddp": (*DDP_KWARGS, "reduce_dtype", "comm_hook"), "fsdp": FSDP_KWARGS}
+LAUNCH_KEYS = ("_target_", "accelerator", "devices", "num_nodes", "precision")  # the trainer's, not the strategy's
 
 
 def backward_sync(forward: torch.nn.Module, last: bool):
@@ -38,16 +44,33 @@ def strategy_settings(name: str, keys: tuple[str, ...]) -> dict:
     return {k: conf[k] for k in keys}
 
 
-def ddp_wrap(local_rank: int, reduce_dtype: str = "fp32", sm_carveout: int = 0, hook: str = "average"):
-    """A function that wraps the GPT in DDP as trainer=ddp does (data_parallel.yaml, model/allreduce.py's hooks);
-    hook="torch": torch's own all-reduce (a divide kernel, then a sum), fp32 only; hook="copy_engine": every
-    bucket but the last on the copy engines, fp32 only. Call it inside the process group."""
+def check_settings(strategy: str, settings: dict, bare: bool) -> None:
+    """Raise ValueError unless every key of `settings` is a setting of `strategy`'s conf/trainer/strategy/ file
+    and, when the bare loop runs beside the pipeline (`bare`), one the bare loop runs (BARE_KEYS)."""
+    name = STRATEGY_FILES[strategy]
+    known = [k for k in yaml.safe_load((STRATEGY_CONF / f"{name}.yaml").read_text()) if k not in LAUNCH_KEYS]
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(f"conf/trainer/strategy/{name}.yaml has no setting {', '.join(unknown)}; "
+                         f"its settings: {', '.join(known)}")
+    unrun = sorted(set(settings) - set(BARE_KEYS[strategy]))
+    if bare and unrun:
+        raise ValueError(f"the bare loop does not run {', '.join(unrun)} (it runs {', '.join(BARE_KEYS[strategy])}): "
+                         "time it through the pipeline alone")
+
+
+def ddp_wrap(local_rank: int, overrides: dict | None = None):
+    """A function that wraps the GPT in DDP as trainer=ddp does: data_parallel.yaml's settings, `overrides` (of the
+    same keys) on top, and model/allreduce.py's hooks: comm_hook=torch is torch's own all-reduce (a divide kernel,
+    then a sum), fp32 only; comm_hook=copy_engine moves every bucket but the last on the copy engines, fp32 only.
+    Call it inside the process group."""
     from torch.nn.parallel import DistributedDataParallel
 
     from model.allreduce import ddp_hook
     from model.distributed import DTYPES, check_comm_hook
 
-    settings = strategy_settings("data_parallel", DDP_KWARGS)
+    settings = {**strategy_settings("data_parallel", (*DDP_KWARGS, *DDP_HOOK_KEYS)), **(overrides or {})}
+    reduce_dtype, sm_carveout, hook = [settings.pop(key) for key in DDP_HOOK_KEYS]
     check_comm_hook(hook, reduce_dtype, sm_carveout)
     state_and_hook = None if hook == "torch" else ddp_hook(DTYPES[reduce_dtype], sm_carveout, hook == "copy_engine",
                                                            settings["bucket_cap_mb"])
@@ -61,16 +84,16 @@ def ddp_wrap(local_rank: int, reduce_dtype: str = "fp32", sm_carveout: int = 0, 
     return wrap
 
 
-def fsdp_wrap(local_rank: int):
+def fsdp_wrap(local_rank: int, overrides: dict | None = None):
     """A function that wraps the GPT in FSDP as trainer=fsdp does under bf16-mixed: the pipeline's own FSDPStrategy
-    (model/distributed.py fsdp_strategy with fsdp.yaml's settings) gives the arguments Lightning passes to FSDP, one
-    unit per Block, bf16 gathered weights, the original parameters kept (the optimizer is built on them after
-    wrapping). Call it inside the process group."""
+    (model/distributed.py fsdp_strategy with fsdp.yaml's settings, `overrides` of the same keys on top) gives the
+    arguments Lightning passes to FSDP, one unit per Block, bf16 gathered weights, the original parameters kept (the
+    optimizer is built on them after wrapping). Call it inside the process group."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from model.distributed import fsdp_strategy
 
-    pipeline = fsdp_strategy(precision="bf16-mixed", **strategy_settings("fsdp", FSDP_KWARGS))
+    pipeline = fsdp_strategy(precision="bf16-mixed", **{**strategy_settings("fsdp", FSDP_KWARGS), **(overrides or {})})
 
     def wrap(gpt: torch.nn.Module) -> torch.nn.Module:  # as Lightning's FSDPStrategy._setup_model
         return FullyShardedDataParallel(gpt, cpu_offload=pipeline.cpu_offload,

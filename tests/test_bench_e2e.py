@@ -246,7 +246,7 @@ def test_vs_runs_a_second_variant_of_every_case_in_turn(tmp_path, monkeypatch, o
     assert e2e.variants([], []) == [()]
     order, rates = [], {(): iter([100.0, 104.0]), ("fused_add_norm=true",): iter([110.0, 106.0])}
 
-    def fake_run_case(mode, model, T, B, attn, comp, warmup, steps, gpus, strategy, loss, docs, K, sets):
+    def fake_run_case(mode, model, T, B, attn, comp, warmup, steps, gpus, strategy, loss, docs, K, sets, strategy_sets):
         order.append(sets)
         return _measured(next(rates[sets]))
 
@@ -284,7 +284,7 @@ def test_the_multi_gpu_bare_loop_runs_under_torchrun_and_reads_rank_0s_line(monk
     spec = json.loads(cmd[7])
     assert spec == {"model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash", "compile": False,
                     "warmup": 5, "steps": 10, "strategy": "fsdp", "loss": "fused", "accumulation": 1,
-                    "sets": ["fused_add_norm=true"]}
+                    "sets": ["fused_add_norm=true"], "strategy_sets": []}
     assert e2e.parse_args(["--bare-rank", cmd[7]]).bare_rank == cmd[7]  # what each rank parses
 
     monkeypatch.setattr(e2e.subprocess, "run", fake_run([e2e.BARE_RESULT + '{"status": "OOM"}'], returncode=1))
@@ -313,6 +313,39 @@ def test_several_gpus_run_the_bare_loop_beside_the_pipeline(tmp_path, monkeypatc
     assert ran == [("pipeline", 2, "fsdp"), ("bare", 2, "fsdp")]
     line = e2e.table(json.loads(out.read_text())).splitlines()[2]
     assert "| 2 fsdp, NV18 |" in line and "| 0.950 |" in line  # pipeline / bare
+
+
+def test_a_strategy_setting_reaches_both_modes_and_makes_its_own_rows(tmp_path, monkeypatch, one_fake_gpu):
+    """--strategy-set: train.py gets trainer.strategy.<key>=<value> (and composes it), the bare loop's ranks the
+    same settings; the rows are cases of their own beside the default's, scaled against the one-GPU row."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(e2e, "gpu_info", lambda: {"gpu": "GPU X", "gpus": 2, "interconnect": "NV18"})
+    launched, specs = [], []
+    monkeypatch.setattr(e2e, "launch_train", lambda overrides, run_dir: launched.append(overrides) or {})
+    monkeypatch.setattr(e2e, "rates", lambda metrics: _measured(90.0))
+    monkeypatch.setattr(e2e, "run_bare_multi", lambda *a, **k: specs.append(a) or _measured(100.0))
+    monkeypatch.setattr(e2e, "run_pipeline", lambda *a: _measured(96.0))
+    monkeypatch.setattr(e2e, "run_bare", lambda *a: _measured(100.0))
+    monkeypatch.setattr(e2e, "_free_cuda", lambda: None)
+    out = tmp_path / "e2e.json"
+    e2e.main(["--models", "gpt3-125m", "--seqlens", "1024", "--attentions", "sdpa", "--gpus", "1", "2",
+              "--strategy", "fsdp", "--strategy-set", "sharding_strategy=SHARD_GRAD_OP", "--out", str(out)])
+    (overrides,) = launched
+    assert "trainer.strategy.sharding_strategy=SHARD_GRAD_OP" in overrides
+    cfg = e2e._compose([o for o in overrides if not o.startswith(("trainer.devices", "callbacks.perf"))])
+    assert cfg.trainer.strategy.sharding_strategy == "SHARD_GRAD_OP"
+    assert specs[0][-1] == ("sharding_strategy=SHARD_GRAD_OP",)  # the bare loop's ranks: run_bare_multi's last
+    rows = json.loads(out.read_text())
+    assert {(r["gpus"], r.get("strategy_set")) for r in rows} == {(1, None), (2, "sharding_strategy=SHARD_GRAD_OP")}
+    line = next(line for line in e2e.table(rows).splitlines() if "SHARD_GRAD_OP" in line)
+    assert "| 2 fsdp sharding_strategy=SHARD_GRAD_OP, NV18 |" in line and "| 0.900 | 0.938 |" in line
+
+    with pytest.raises(SystemExit, match="the bare loop does not run state_dict_type"):
+        e2e.parse_args(["--gpus", "2", "--strategy", "fsdp", "--strategy-set", "state_dict_type=full"])
+    e2e.parse_args(["--gpus", "2", "--strategy", "fsdp", "--strategy-set", "state_dict_type=full", "--modes",
+                    "pipeline"])
+    with pytest.raises(SystemExit, match="give --gpus N > 1"):
+        e2e.parse_args(["--strategy-set", "bucket_cap_mb=100"])
 
 
 @pytest.mark.gpu

@@ -85,3 +85,32 @@ def test_the_bare_loops_fsdp_takes_the_pipelines_arguments(monkeypatch):
     assert seen["sharding_strategy"] == fsdp.ShardingStrategy.FULL_SHARD
     assert seen["backward_prefetch"] == fsdp.BackwardPrefetch.BACKWARD_PRE
     assert (seen["forward_prefetch"], seen["limit_all_gathers"]) == (True, False)
+
+
+def test_the_bare_loops_strategies_take_changed_settings(monkeypatch):
+    """--strategy-set's settings reach FSDP and DDP as the pipeline's trainer.strategy.<key> overrides would."""
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.parallel as parallel
+
+    seen = {}
+    monkeypatch.setattr(fsdp, "FullyShardedDataParallel", lambda module, **kwargs: seen.update(kwargs) or module)
+    strategies.fsdp_wrap(0, {"sharding_strategy": "SHARD_GRAD_OP", "forward_prefetch": False})(torch.nn.Linear(2, 2))
+    assert seen["sharding_strategy"] == fsdp.ShardingStrategy.SHARD_GRAD_OP and seen["forward_prefetch"] is False
+    assert seen["backward_prefetch"] == fsdp.BackwardPrefetch.BACKWARD_PRE  # the rest as fsdp.yaml has it
+
+    seen.clear()
+    monkeypatch.setattr(parallel, "DistributedDataParallel", lambda module, **kwargs: seen.update(kwargs) or module)
+    strategies.ddp_wrap(1, {"bucket_cap_mb": 100, "comm_hook": "torch"})(torch.nn.Linear(2, 2))
+    assert seen == {"device_ids": [1], "gradient_as_bucket_view": True, "broadcast_buffers": False,
+                    "bucket_cap_mb": 100}
+
+
+def test_a_changed_setting_is_checked_against_the_conf_and_the_bare_loop():
+    strategies.check_settings("fsdp", {"sharding_strategy": "SHARD_GRAD_OP"}, bare=True)
+    strategies.check_settings("fsdp", {"state_dict_type": "full"}, bare=False)  # the pipeline's alone
+    with pytest.raises(ValueError, match="fsdp.yaml has no setting bucket_cap_mb; its settings: sharding_strategy"):
+        strategies.check_settings("fsdp", {"bucket_cap_mb": 100}, bare=False)
+    with pytest.raises(ValueError, match="data_parallel.yaml has no setting devices"):  # the launch's, not a setting
+        strategies.check_settings("ddp", {"devices": 4}, bare=False)
+    with pytest.raises(ValueError, match="the bare loop does not run sm_carveout"):
+        strategies.check_settings("ddp", {"sm_carveout": 4, "bucket_cap_mb": 100}, bare=True)
