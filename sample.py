@@ -22,6 +22,8 @@ from model.checkpoint import CheckpointModelMismatch, check_model_matches, load_
 from model.generate import check_room, generate
 from model.gpt import GPT, ContextLengthError, GPTConfig
 
+DEFAULT_NEW_TOKENS = 200  # max_new_tokens=null: this many, or as many as the context has room for
+
 
 class SampleConfigError(ValueError):
     """A sample.py setting that cannot work; the message names the key."""
@@ -80,7 +82,10 @@ def sample(cfg: DictConfig) -> list[str]:
                              "activation_checkpointing": False})
     tokenizer = load_tokenizer(cfg, meta)
     ids = tokenizer.encode(cfg.prompt).ids or [eot_id(tokenizer)]  # an empty prompt starts a new document
-    check_room(len(ids), cfg.max_new_tokens, model_cfg.seq_len)  # before loading the weights
+    max_new_tokens = cfg.max_new_tokens
+    if max_new_tokens is None:  # as many as fit, up to DEFAULT_NEW_TOKENS: a small model's context may be short
+        max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, model_cfg.seq_len - len(ids)))
+    check_room(len(ids), max_new_tokens, model_cfg.seq_len)  # before loading the weights
     with device:  # made where it runs: no CPU init of weights the checkpoint replaces (train.py's init_device)
         model = GPT(model_cfg)
     load_weights(model, cfg.ckpt_path, meta)
@@ -88,7 +93,7 @@ def sample(cfg: DictConfig) -> list[str]:
     model.to(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     prompt = torch.tensor([ids] * cfg.num_samples, device=device)  # (num_samples, T0)
-    out = generate(model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator)
+    out = generate(model, prompt, max_new_tokens, cfg.temperature, cfg.top_k, generator)
     return [tokenizer.decode(row.tolist()) for row in out]
 
 
