@@ -22,9 +22,11 @@ same case show what the overlap costs compute.
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook torch
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook copy_engine
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --strategy fsdp
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --micro-batches 8 --strategy fsdp2 \
+        --sharding-strategy SHARD_GRAD_OP    # FSDP2 (bench/strategies.fsdp2_wrap): one reduce-scatter per step
 
 Rows merge into bench/results/profile.json, keyed by device and case (model, T, micro-batches, attention, compile,
---set, and the world size, all-reduce, reduce dtype, carve-out and NCCL protocol).
+--set, and the world size, strategy, sharding, all-reduce, reduce dtype, carve-out and NCCL protocol).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import join_torchrun_group, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
-from bench.strategies import ddp_wrap, fsdp_wrap  # noqa: E402
+from bench.strategies import ddp_wrap, fsdp2_wrap, fsdp_wrap  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
@@ -170,8 +172,10 @@ def table(row: dict, top: int) -> str:
     hook = {"torch": ", torch's all-reduce", "copy_engine": ", on the copy engines"}.get(row.get("hook"), "")
     if world == 1:
         where = row["device"]
-    elif row.get("strategy") == "fsdp":
-        where = f"{world} × {row['device']} (FSDP, conf/trainer/strategy/fsdp.yaml{proto})"
+    elif row.get("strategy") in ("fsdp", "fsdp2"):
+        sharding = f", {row['sharding_strategy']}" if row.get("sharding_strategy") else ""
+        strategy = row["strategy"].upper()
+        where = f"{world} × {row['device']} ({strategy}, conf/trainer/strategy/fsdp.yaml{sharding}{proto})"
     else:
         where = f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})"
     carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
@@ -200,7 +204,7 @@ def table(row: dict, top: int) -> str:
 def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
             r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"),
-            r.get("strategy", "ddp"), r.get("accumulation", 1))
+            r.get("strategy", "ddp"), r.get("accumulation", 1), r.get("sharding_strategy"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,8 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sm-carveout", type=int, default=0, help="SMs left to NCCL (model/distributed.set_sm_carveout)")
     ap.add_argument("--hook", choices=["average", "torch", "copy_engine"], default="average",
                     help="DDP's all-reduce: model/allreduce.py's (the pipeline's), torch's own, or the copy engines'")
-    ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
-                    help="under torchrun: the pipeline's DDP (with --reduce-dtype, --sm-carveout, --hook) or its FSDP")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp", "fsdp2"], default="ddp",
+                    help="under torchrun: the pipeline's DDP (with --reduce-dtype, --sm-carveout, --hook) or its FSDP; "
+                         "fsdp2: torch's fully_shard in fsdp.yaml's settings, accumulating without a reduce-scatter "
+                         "until a step's last micro-batch (bench/strategies.fsdp2_wrap; not a pipeline strategy yet)")
+    ap.add_argument("--sharding-strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default=None,
+                    help="fsdp and fsdp2: fsdp.yaml's sharding_strategy replaced")
     ap.add_argument("--nccl-protocol", choices=["LL", "LL128", "Simple"], default=None,
                     help="NCCL_PROTO (default: NCCL's choice per message size)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
@@ -241,14 +249,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.nccl_protocol:
         os.environ["NCCL_PROTO"] = args.nccl_protocol  # read when the communicator starts
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    wrap, fsdp = None, world > 1 and args.strategy == "fsdp"
+    wrap, fsdp = None, world > 1 and args.strategy != "ddp"
     if fsdp and (args.reduce_dtype != "fp32" or args.sm_carveout or args.hook != "average"):
-        raise SystemExit("--strategy fsdp takes conf/trainer/strategy/fsdp.yaml's settings: no --reduce-dtype, "
-                         "--sm-carveout or --hook")
+        raise SystemExit(f"--strategy {args.strategy} takes conf/trainer/strategy/fsdp.yaml's settings: no "
+                         "--reduce-dtype, --sm-carveout or --hook")
+    if args.sharding_strategy and not fsdp:
+        raise SystemExit("--sharding-strategy is FSDP's: run under torchrun with --strategy fsdp or fsdp2")
+    sharding = {"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}
     if world > 1:  # the pipeline's DDP or FSDP (bench/strategies.py) in torchrun's process group
         local = join_torchrun_group()
-        wrap = fsdp_wrap(local) if fsdp else ddp_wrap(local, {"reduce_dtype": args.reduce_dtype,
-                                                               "sm_carveout": args.sm_carveout, "comm_hook": args.hook})
+        if args.strategy == "fsdp2":
+            wrap = fsdp2_wrap("cuda", sharding)
+        elif fsdp:
+            wrap = fsdp_wrap(local, sharding)
+        else:
+            wrap = ddp_wrap(local, {"reduce_dtype": args.reduce_dtype, "sm_carveout": args.sm_carveout,
+                                    "comm_hook": args.hook})
     batch = max(1, args.tokens_per_step // args.seq_len)
     step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, sharded=fsdp,
                         accumulation=args.micro_batches, **overrides)
@@ -264,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         "compile": args.compile, "set": " ".join(sorted(args.set)),
         **({"kernel": KERNEL_VERSION} if args.attention == "flash" else {}),
         "sm_carveout": args.sm_carveout,
+        **({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}),
         **({"world_size": world, "strategy": args.strategy, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
             "nccl_protocol": os.environ.get("NCCL_PROTO"),
             "overlap": communication_overlap([e for e in events if e["cat"] == "kernel"], args.steps)}

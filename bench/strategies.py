@@ -24,13 +24,19 @@ LAUNCH_KEYS = ("_target_", "accelerator", "devices", "num_nodes", "precision")  
 
 
 def backward_sync(forward: torch.nn.Module, last: bool):
-    """The context one micro-batch's backward runs in, as Lightning runs it when accumulating gradients: DDP skips
-    its all-reduce (no_sync) on every micro-batch but the step's last, so a step of K micro-batches all-reduces
-    once; FSDP (and a model with no wrapper) runs as is, FSDP reduce-scattering every micro-batch's gradients
-    (Lightning's ParallelStrategy.block_backward_sync does the same)."""
+    """The context one micro-batch's forward and backward run in, as Lightning runs them when accumulating
+    gradients: DDP skips its all-reduce (no_sync) on every micro-batch but the step's last, so a step of K
+    micro-batches all-reduces once; FSDP (and a model with no wrapper) runs as is, FSDP reduce-scattering every
+    micro-batch's gradients (Lightning's ParallelStrategy.block_backward_sync does the same). FSDP2 (fsdp2_wrap)
+    accumulates as DDP does: on all but the last micro-batch its gradients stay unsharded and unreduced (fp32, its
+    reduce dtype) and its weights stay gathered after backward, so a step reduce-scatters once."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(forward, DistributedDataParallel) and not last:
+    if isinstance(forward, FSDPModule):
+        forward.set_requires_gradient_sync(last)
+        forward.set_reshard_after_backward(last)
+    elif isinstance(forward, DistributedDataParallel) and not last:
         return forward.no_sync()
     return contextlib.nullcontext()
 
@@ -100,5 +106,34 @@ def fsdp_wrap(local_rank: int, overrides: dict | None = None):
                                         mixed_precision=pipeline.mixed_precision_config,
                                         sharding_strategy=pipeline.sharding_strategy, device_id=local_rank,
                                         **pipeline.kwargs)
+
+    return wrap
+
+
+def fsdp2_wrap(device_type: str = "cuda", overrides: dict | None = None):
+    """A function that shards the GPT with FSDP2 (torch's fully_shard: one unit per Block, one for the rest) in
+    fsdp.yaml's dtypes and sharding (`overrides` of the same keys on top): FULL_SHARD frees each Block's gathered
+    weights after its forward, SHARD_GRAD_OP keeps them until its backward. The bare loop's only, to time FSDP2's
+    accumulation (backward_sync) before a pipeline strategy is built on it. Call it inside the process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from model.distributed import DTYPES
+    from model.gpt import Block
+
+    settings = {**strategy_settings("fsdp", ("sharding_strategy", "param_dtype", "reduce_dtype")), **(overrides or {})}
+    reshard = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}.get(settings["sharding_strategy"])
+    if reshard is None:
+        raise ValueError(f"fsdp2_wrap runs sharding_strategy FULL_SHARD or SHARD_GRAD_OP, not "
+                         f"{settings['sharding_strategy']}")
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[settings["param_dtype"]],
+                                  reduce_dtype=DTYPES[settings["reduce_dtype"]])
+
+    def wrap(gpt: torch.nn.Module) -> torch.nn.Module:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        for block in [m for m in gpt.modules() if isinstance(m, Block)]:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        return fully_shard(gpt, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
 
     return wrap

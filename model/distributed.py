@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from model.allreduce import AllReduceState, average_hook, ddp_hook
@@ -235,7 +236,8 @@ def clip_sharded_grad_norm_(
     kernel launches for GPT3-350M); torch's foreach kernels do it in a few.
     """
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # FSDP2's gradients are DTensors: each rank's local shard is its disjoint part
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     if grads:
         local = torch.nn.utils.get_total_norm(grads, 2.0).float()
     else:  # this rank holds no part of any gradient

@@ -114,3 +114,52 @@ def test_a_changed_setting_is_checked_against_the_conf_and_the_bare_loop():
         strategies.check_settings("ddp", {"devices": 4}, bare=False)
     with pytest.raises(ValueError, match="the bare loop does not run sm_carveout"):
         strategies.check_settings("ddp", {"sm_carveout": 4, "bucket_cap_mb": 100}, bare=True)
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_fsdp2_accumulates_unreduced_and_clips_as_the_unsharded_model(tmp_path, param_dtype):
+    """The bare loop's FSDP2 (fsdp2_wrap) in a world of one on the CPU: through backward_sync, no gradient is
+    reduce-scattered (a DTensor) until the step's last micro-batch; then each holds, in fp32, the sum of the three
+    micro-batches' gradients of the same GPT unwrapped (exactly with fp32 weights; bf16 weights round each
+    micro-batch's gradient, and FSDP2 sums them in fp32, its reduce dtype). The sharded norm is the unwrapped model's,
+    and with fp32 weights the clip (through the fused AdamW's grad_scale) and the step give its weights."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_
+    from model.gpt import GPT, GPTConfig
+
+    tol = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=2e-2, atol=2e-3)}[param_dtype]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=97, attention="sdpa"))
+        gpt = strategies.fsdp2_wrap("cpu", {"param_dtype": param_dtype})(copy.deepcopy(ref))
+        x = torch.randint(0, 97, (3, 2, 17))
+        for i, xb in enumerate(x):
+            last = i == len(x) - 1
+            with strategies.backward_sync(gpt, last=last):
+                gpt(xb[:, :-1]).float().logsumexp(-1).mean().backward()
+            reduced = [isinstance(p.grad, DTensor) for p in gpt.parameters()]
+            assert all(reduced) if last else not any(reduced)
+            ref(xb[:, :-1]).float().logsumexp(-1).mean().backward()
+        for p, r in zip(gpt.parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, **tol)
+
+        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2, fused=True)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        norm = clip_sharded_grad_norm_(gpt.parameters(), 0.5, None, opt)
+        torch.testing.assert_close(norm, clip_grad_norm_(ref, None, 0.5, ref_opt), **tol)
+        assert norm > 0.5  # the clip scales the step
+        opt.step()
+        ref_opt.step()
+        if param_dtype == "fp32":  # Adam's first step is about lr × sign(grad): bf16's rounding can flip a small one
+            for p, r in zip(gpt.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.full_tensor(), r, **tol)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="FULL_SHARD or SHARD_GRAD_OP, not NO_SHARD"):
+        strategies.fsdp2_wrap("cpu", {"sharding_strategy": "NO_SHARD"})
