@@ -1,12 +1,16 @@
 """bench/profile_step.py's bookkeeping on CPU: kernel names land in the right category, --set parses."""
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-spec = importlib.util.spec_from_file_location(
-    "bench_profile_step", Path(__file__).resolve().parents[1] / "bench" / "profile_step.py")
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_profile_step", REPO / "bench" / "profile_step.py")
 profile_step = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_step)
 
@@ -67,12 +71,17 @@ def test_table_names_the_strategy_and_the_all_reduce_of_a_multi_gpu_row():
             "kernels": {"nvjet_a": 6.0}, "world_size": 2, "reduce_dtype": "fp32", "nccl_protocol": None}
     heading = {name: profile_step.table({**base, **fields}, top=1).splitlines()[0]
                for name, fields in (("ddp", {"hook": "average"}), ("copy", {"hook": "copy_engine"}),
-                                    ("fsdp", {"strategy": "fsdp", "hook": "average"}))}
+                                    ("fsdp", {"strategy": "fsdp", "hook": "average"}),
+                                    ("fsdp2", {"strategy": "fsdp2", "hook": "average",
+                                               "sharding_strategy": "SHARD_GRAD_OP"}))}
     assert "on 2 × GPU X (DDP, fp32 all-reduce)" in heading["ddp"]
     assert "(DDP, fp32 all-reduce, on the copy engines)" in heading["copy"]
     assert "on 2 × GPU X (FSDP, conf/trainer/strategy/fsdp.yaml)" in heading["fsdp"]
-    rows = [{**base, "hook": "average"}, {**base, "strategy": "fsdp", "hook": "average"}]
-    assert len({profile_step._key(r) for r in rows}) == 2  # FSDP's row does not replace DDP's
+    assert "on 2 × GPU X (FSDP2, conf/trainer/strategy/fsdp.yaml, SHARD_GRAD_OP)" in heading["fsdp2"]
+    rows = [{**base, "hook": "average"}, {**base, "strategy": "fsdp", "hook": "average"},
+            {**base, "strategy": "fsdp", "hook": "average", "sharding_strategy": "SHARD_GRAD_OP"},
+            {**base, "strategy": "fsdp2", "hook": "average"}]
+    assert len({profile_step._key(r) for r in rows}) == 4  # each strategy and sharding is a case of its own
 
 
 def test_communication_overlap_counts_nccl_time_and_the_part_no_kernel_hides():
@@ -117,3 +126,22 @@ def test_an_accumulated_row_is_its_own_case_and_says_so(monkeypatch):
     monkeypatch.setattr(profile_step.torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit, match="--micro-batches 0"):
         profile_step.main(["--micro-batches", "0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 on 2 GPUs: needs 2 CUDA GPUs")
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_the_fsdp2_step_accumulates_on_two_gpus(tmp_path, sharding):
+    """The bare step in FSDP2 (bench/strategies.fsdp2_wrap) under torchrun, two micro-batches a step, our kernel in
+    the blocks (head dim 64): it runs, NCCL and the attention kernels among the profiled ones."""
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "bench" / "profile_step.py"), "--model", "gpt-tiny", "--set", "n_head=2", "--seq-len", "256",
+           "--tokens-per-step", "1024", "--micro-batches", "2", "--strategy", "fsdp2", "--sharding-strategy", sharding,
+           "--warmup", "2", "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["strategy"], row["sharding_strategy"], row["accumulation"]) == ("fsdp2", sharding, 2)
+    assert row["wall_ms_per_step"] > 0
+    assert row["categories"]["attention"] > 0 and row["categories"]["communication"] > 0
