@@ -17,8 +17,8 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from torch.distributed.tensor import DTensor
 
 from model.allreduce import AllReduceState, average_hook, ddp_hook
 from model.gpt import Block
