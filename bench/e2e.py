@@ -436,7 +436,8 @@ def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str
 
 def table(rows: list[dict]) -> str:
     """Markdown: one line per (device, model, T, batch, attention, compile, GPUs); pipeline vs bare loop
-    side by side (one GPU), and per-GPU tokens/s against the one-GPU pipeline (several GPUs)."""
+    side by side, and on several GPUs per-GPU tokens/s against one GPU's: the pipeline's, then the bare loop's
+    against the one-GPU bare loop ('0.987; bare 0.994')."""
     by_key = {_key(r): r for r in rows}
     cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], *k[4:8]))
     lines = [
@@ -448,6 +449,7 @@ def table(rows: list[dict]) -> str:
         p = by_key.get((dev, "pipeline", model, T, B, K, attn, comp, gpus, strategy))
         b = by_key.get((dev, "bare", model, T, B, K, attn, comp, gpus, strategy))
         one = by_key.get((dev, "pipeline", model, T, B, K, attn, comp, 1, "single"))
+        one_bare = by_key.get((dev, "bare", model, T, B, K, attn, comp, 1, "single"))
         ratio = scaling = "–"
         # Only a pair measured by one invocation: a pipeline row re-measured later is not compared with an
         # older bare loop (rows written before the "run" field have none, and pair as they were measured).
@@ -455,6 +457,8 @@ def table(rows: list[dict]) -> str:
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
         if gpus > 1 and p and one and p["status"] == one["status"] == "ok":
             scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
+            if b and one_bare and b["status"] == one_bare["status"] == "ok":  # the bare loop's own scaling beside it
+                scaling += f"; bare {b['tokens_per_s'] / one_bare['tokens_per_s']:.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn.startswith("flash") else "–"
         lines.append(
             f"| {dev} | {model} | {T} | {_batch(B, K)} | {attn} | {'yes' if comp else 'no'} | {_gpus_cell(p or b)} | "

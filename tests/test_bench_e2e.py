@@ -75,6 +75,9 @@ def test_multi_gpu_rows_show_per_gpu_scaling_against_one_gpu(tmp_path):
     assert "| 0.970 |" in lines["2 ddp"]  # 194 / 200 tokens/s per GPU
     e2e.plot(rows, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 1000
+    bare = [{**old, "mode": "bare", "tokens_per_s": 210.0}, {**two, "mode": "bare", "tokens_per_s": 201.6}]
+    lines = {line.split("|")[7].strip(): line for line in e2e.table(rows + bare).splitlines()[2:]}
+    assert "| 0.970; bare 0.960 |" in lines["2 ddp"]  # 201.6 / 210 beside the pipeline's
 
 
 def test_rows_name_the_residual_stream_they_ran():
@@ -338,7 +341,7 @@ def test_a_strategy_setting_reaches_both_modes_and_makes_its_own_rows(tmp_path, 
     rows = json.loads(out.read_text())
     assert {(r["gpus"], r.get("strategy_set")) for r in rows} == {(1, None), (2, "sharding_strategy=SHARD_GRAD_OP")}
     line = next(line for line in e2e.table(rows).splitlines() if "SHARD_GRAD_OP" in line)
-    assert "| 2 fsdp sharding_strategy=SHARD_GRAD_OP, NV18 |" in line and "| 0.900 | 0.938 |" in line
+    assert "| 2 fsdp sharding_strategy=SHARD_GRAD_OP, NV18 |" in line and "| 0.900 | 0.938; bare 1.000 |" in line
 
     with pytest.raises(SystemExit, match="the bare loop does not run state_dict_type"):
         e2e.parse_args(["--gpus", "2", "--strategy", "fsdp", "--strategy-set", "state_dict_type=full"])
