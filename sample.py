@@ -84,7 +84,7 @@ def sample(cfg: DictConfig) -> list[str]:
     ids = tokenizer.encode(cfg.prompt).ids or [eot_id(tokenizer)]  # an empty prompt starts a new document
     max_new_tokens = cfg.max_new_tokens
     if max_new_tokens is None:  # as many as fit, up to DEFAULT_NEW_TOKENS: a small model's context may be short
-        max_new_tokens = max(0, min(DEFAULT_NEW_TOKENS, model_cfg.seq_len - len(ids)))
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, model_cfg.seq_len - len(ids))
     check_room(len(ids), max_new_tokens, model_cfg.seq_len)  # before loading the weights
     with device:  # made where it runs: no CPU init of weights the checkpoint replaces (train.py's init_device)
         model = GPT(model_cfg)

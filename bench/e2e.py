@@ -69,7 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
 from bench.launchers import gpu_info  # noqa: E402
-from bench.strategies import backward_sync, check_settings, ddp_wrap, fsdp_wrap  # noqa: E402
+from bench.strategies import backward_sync, check_settings, ddp_wrap, fsdp_wrap, shards_gradients  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_  # noqa: E402
@@ -193,14 +193,14 @@ def run_pipeline_multi(model: str, seq_len: int, batch: int, attention: str, com
 
 
 def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: bool, loss: str = "torch",
-              wrap=None, accumulation: int = 1, sharded: bool = False, **model_overrides):
+              wrap=None, accumulation: int = 1, **model_overrides):
     """One training step of the GPT with nothing around it: bf16 autocast, the pipeline's loss (`loss`, compiled
     with the model when compile and loss=torch, as LitGPT), `accumulation` forwards and backwards of `batch`
     sequences each (the loss scaled by 1 / accumulation, as Lightning scales it; under DDP all-reduced once, after
     the last), fused AdamW, the pipeline's clipping (applied by the fused step, model/distributed.py
     clip_grads_with_norm_). Returns (step, GPTConfig);
-    model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward, and
-    `sharded` says that it shards the gradients over the world (FSDP): the norm is then summed over the ranks."""
+    model_overrides set GPTConfig fields (e.g. fp32_residual=True); `wrap(gpt)` (e.g. DDP) runs the forward; where
+    it shards the gradients over the world (FSDP), the norm is summed over the ranks."""
     cfg = GPTConfig(**{**_model_config(model, attention, seq_len), **model_overrides}, vocab_size=50257)
     torch.manual_seed(0)
     with torch.device("cuda"):  # made and initialized on the GPU, as train.py's init_device has it
@@ -211,6 +211,7 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
         if loss == "torch":
             loss_fn = torch.compile(next_token_loss)
     forward = wrap(gpt) if wrap else gpt
+    sharded = shards_gradients(forward)
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device="cuda")
     inp, tgt = x[:, :-1], x[:, 1:]
@@ -232,12 +233,11 @@ def bare_step(model: str, seq_len: int, batch: int, attention: str, compile: boo
 
 
 def run_bare(model: str, seq_len: int, batch: int, attention: str, compile: bool, warmup: int, steps: int,
-             loss: str = "torch", accumulation: int = 1, sets: tuple[str, ...] = (), wrap=None,
-             sharded: bool = False) -> dict:
+             loss: str = "torch", accumulation: int = 1, sets: tuple[str, ...] = (), wrap=None) -> dict:
     """The same GPT step with nothing around it: the yardstick for the pipeline's overhead (per GPU, this
-    rank's time, under `wrap` and `sharded` as bare_step takes them)."""
+    rank's time, under `wrap` as bare_step takes it)."""
     step, cfg = bare_step(model, seq_len, batch, attention, compile, loss, wrap=wrap, accumulation=accumulation,
-                          sharded=sharded, **parse_sets(list(sets)))
+                          **parse_sets(list(sets)))
     torch.cuda.reset_peak_memory_stats()
     dt = seconds_per_call(step, warmup, steps)
     tokens_per_s = batch * seq_len * accumulation / dt
@@ -284,13 +284,12 @@ def bare_rank(spec: dict) -> None:
     from bench.common import join_torchrun_group
 
     local = join_torchrun_group()
-    fsdp = spec["strategy"] == "fsdp"
     settings = parse_sets(spec["strategy_sets"], "--strategy-set")
-    wrap = fsdp_wrap(local, settings) if fsdp else ddp_wrap(local, settings)
+    wrap = (fsdp_wrap if spec["strategy"] == "fsdp" else ddp_wrap)(local, settings)
     try:
         out = run_bare(spec["model"], spec["seq_len"], spec["batch"], spec["attention"], spec["compile"],
                        spec["warmup"], spec["steps"], spec["loss"], spec["accumulation"], tuple(spec["sets"]),
-                       wrap=wrap, sharded=fsdp)
+                       wrap=wrap)
     except torch.OutOfMemoryError:
         out = {"status": "OOM"}
     if dist.get_rank() == 0 or out.get("status") == "OOM":  # any rank's OOM is the case's

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             wrap = ddp_wrap(local, {"reduce_dtype": args.reduce_dtype, "sm_carveout": args.sm_carveout,
                                     "comm_hook": args.hook})
     batch = max(1, args.tokens_per_step // args.seq_len)
-    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap, sharded=fsdp,
+    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap,
                         accumulation=args.micro_batches, **overrides)
     kernels, wall_ms, events = profile(step, args.warmup, args.steps)
     if world > 1:

@@ -41,9 +41,20 @@ def backward_sync(forward: torch.nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
+def shards_gradients(forward: torch.nn.Module) -> bool:
+    """Whether `forward` (a wrapped GPT) leaves each rank a disjoint shard of every gradient: FSDP, FSDP2."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(forward, (FullyShardedDataParallel, FSDPModule))
+
+
+def _strategy_conf(name: str) -> dict:
+    return yaml.safe_load((STRATEGY_CONF / f"{name}.yaml").read_text())
+
+
 def strategy_settings(name: str, keys: tuple[str, ...]) -> dict:
     """The values of `keys` in conf/trainer/strategy/<name>.yaml (the pipeline's defaults)."""
-    conf = yaml.safe_load((STRATEGY_CONF / f"{name}.yaml").read_text())
+    conf = _strategy_conf(name)
     missing = [k for k in keys if k not in conf]
     if missing:
         raise KeyError(f"conf/trainer/strategy/{name}.yaml has no {', '.join(missing)}")
@@ -54,7 +65,7 @@ def check_settings(strategy: str, settings: dict, bare: bool) -> None:
     """Raise ValueError unless every key of `settings` is a setting of `strategy`'s conf/trainer/strategy/ file
     and, when the bare loop runs beside the pipeline (`bare`), one the bare loop runs (BARE_KEYS)."""
     name = STRATEGY_FILES[strategy]
-    known = [k for k in yaml.safe_load((STRATEGY_CONF / f"{name}.yaml").read_text()) if k not in LAUNCH_KEYS]
+    known = [k for k in _strategy_conf(name) if k not in LAUNCH_KEYS]
     unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ValueError(f"conf/trainer/strategy/{name}.yaml has no setting {', '.join(unknown)}; "

@@ -137,6 +137,7 @@ def test_fsdp2_accumulates_unreduced_and_clips_as_the_unsharded_model(tmp_path, 
         torch.manual_seed(0)
         ref = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=97, attention="sdpa"))
         gpt = strategies.fsdp2_wrap("cpu", {"param_dtype": param_dtype})(copy.deepcopy(ref))
+        assert strategies.shards_gradients(gpt) and not strategies.shards_gradients(ref)
         x = torch.randint(0, 97, (3, 2, 17))
         for i, xb in enumerate(x):
             last = i == len(x) - 1
