@@ -40,7 +40,8 @@ per GPU step stay --tokens-per-step, so the global batch grows with N), and the 
 `torchrun --nproc_per_node=N` wrapped in the same DDP or FSDP (bench/strategies.py), rank 0 timing it. Their rows
 record the GPU0-GPU1 link (`nvidia-smi topo -m`, e.g. NV18), which the table's GPUs column shows.
 `--strategy-set KEY=VALUE` changes settings of the strategy's conf/trainer/strategy/ file in both (the rows are
-their own cases; the GPUs column names the settings, and the per-GPU ratio is against the one-GPU row).
+their own cases; the GPUs column names the settings). The per-GPU ratio is against the one-GPU row of the same
+invocation where it has one (--gpus 1 N), else the file's one-GPU row when the row merged; the row keeps that rate.
 Parts merge into bench/results/e2e.json (keyed by device, case and GPU count), so runs of a few minutes each add up.
 """
 
@@ -418,7 +419,28 @@ def _key(r: dict) -> tuple:
             r["compile"], *_gpus(r))
 
 
+def _one_gpu_key(r: dict) -> tuple:
+    """_key of the one-GPU row that a row on several GPUs scales against: same device, mode and case."""
+    return _key(r)[:-2] + (1, "single")
+
+
+def anchor_one_gpu(new: list[dict], old: list[dict]) -> list[dict]:
+    """`new` with each row on several GPUs given the one-GPU rate it scales against (one_gpu_tokens_per_s, and
+    one_gpu_run: the invocation that measured it), unless it has one: the one-GPU row of `new` (the same
+    invocation), else the one in `old` (the file's). A one-GPU row measured again later leaves the ratios of
+    the rows measured before it as they were."""
+    ones = {_key(r): r for r in old if _gpus(r)[0] == 1} | {_key(r): r for r in new if _gpus(r)[0] == 1}
+    anchored = []
+    for r in new:
+        one = ones.get(_one_gpu_key(r))
+        if _gpus(r)[0] > 1 and "one_gpu_tokens_per_s" not in r and one and one["status"] == "ok":
+            r = {**r, "one_gpu_tokens_per_s": one["tokens_per_s"], "one_gpu_run": one.get("run")}
+        anchored.append(r)
+    return anchored
+
+
 def merge(path: Path, new: list[dict]) -> list[dict]:
+    new = anchor_one_gpu(new, json.loads(path.read_text()) if path.is_file() else [])
     return merge_file(path, new, _key, order=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"],
                                                         _accumulation(r), _attention(r), r["compile"], _gpus(r),
                                                         r["mode"]))
@@ -431,6 +453,13 @@ def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str
         return r["status"]
     v = r.get(field)
     return "–" if v is None else f"{v * scale:.{digits}f}"
+
+
+def _one_gpu_rate(r: dict, one: dict | None) -> float | None:
+    """The one-GPU tokens/s a row on several GPUs scales against: its own (anchor_one_gpu), else the one-GPU row's."""
+    if "one_gpu_tokens_per_s" in r:
+        return r["one_gpu_tokens_per_s"]
+    return one["tokens_per_s"] if one and one["status"] == "ok" else None
 
 
 def table(rows: list[dict]) -> str:
@@ -454,10 +483,10 @@ def table(rows: list[dict]) -> str:
         # older bare loop (rows written before the "run" field have none, and pair as they were measured).
         if p and b and p["status"] == b["status"] == "ok" and p.get("run") == b.get("run"):
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
-        if gpus > 1 and p and one and p["status"] == one["status"] == "ok":
-            scaling = f"{p['tokens_per_s'] / one['tokens_per_s']:.3f}"
-            if b and one_bare and b["status"] == one_bare["status"] == "ok":  # the bare loop's own scaling beside it
-                scaling += f"; bare {b['tokens_per_s'] / one_bare['tokens_per_s']:.3f}"
+        if gpus > 1 and p and p["status"] == "ok" and _one_gpu_rate(p, one):
+            scaling = f"{p['tokens_per_s'] / _one_gpu_rate(p, one):.3f}"
+            if b and b["status"] == "ok" and _one_gpu_rate(b, one_bare):  # the bare loop's own scaling beside it
+                scaling += f"; bare {b['tokens_per_s'] / _one_gpu_rate(b, one_bare):.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn.startswith("flash") else "–"
         lines.append(
             f"| {dev} | {model} | {T} | {_batch(B, K)} | {attn} | {'yes' if comp else 'no'} | {_gpus_cell(p or b)} | "

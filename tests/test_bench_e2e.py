@@ -80,6 +80,21 @@ def test_multi_gpu_rows_show_per_gpu_scaling_against_one_gpu(tmp_path):
     assert "| 0.970; bare 0.960 |" in lines["2 ddp"]  # 201.6 / 210 beside the pipeline's
 
 
+def test_a_multi_gpu_row_keeps_the_one_gpu_rate_it_was_measured_against(tmp_path):
+    """A one-GPU row measured again later (another machine, another day) leaves the per-GPU ratio of the rows
+    merged before it as they were measured; a row of the new invocation scales against the new one-GPU row."""
+    path = tmp_path / "e2e.json"
+    one, ddp = _row("pipeline", "flash", 200.0), {**_row("pipeline", "flash", 194.0), "gpus": 2, "strategy": "ddp"}
+    e2e.merge(path, [{**one, "run": "a"}, {**ddp, "run": "a"}])
+    fsdp = {**ddp, "strategy": "fsdp2", "tokens_per_s": 190.0, "run": "b"}
+    rows = e2e.merge(path, [{**one, "tokens_per_s": 210.0, "run": "b"}, fsdp])
+    by_gpus = {(r.get("gpus", 1), r.get("strategy")): r for r in rows}
+    assert by_gpus[(2, "ddp")]["one_gpu_tokens_per_s"] == 200.0 and by_gpus[(2, "ddp")]["one_gpu_run"] == "a"
+    assert by_gpus[(2, "fsdp2")]["one_gpu_tokens_per_s"] == 210.0
+    lines = {line.split("|")[7].strip(): line for line in e2e.table(rows).splitlines()[2:]}
+    assert "| 0.970 |" in lines["2 ddp"] and "| 0.905 |" in lines["2 fsdp2"]  # 194 / 200 and 190 / 210
+
+
 def test_rows_name_the_residual_stream_they_ran():
     """Rows from the bf16 residual stream are their own case, next to the fp32-stream rows measured before
     (which carry no 'residual' field), in the JSON, the table and the figure."""
