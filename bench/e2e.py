@@ -37,8 +37,8 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a
 subprocess (Lightning starts the ranks), read back from the run's metrics.json (rank 0's rates; tokens
 per GPU step stay --tokens-per-step, so the global batch grows with N), and the bare loop runs under
-`torchrun --nproc_per_node=N` wrapped in the same DDP or FSDP (bench/strategies.py), rank 0 timing it. Their rows
-record the GPU0-GPU1 link (`nvidia-smi topo -m`, e.g. NV18), which the table's GPUs column shows.
+`torchrun --nproc_per_node=N` wrapped in the same DDP, FSDP or FSDP2 (bench/strategies.py), rank 0 timing it. Their
+rows record the GPU0-GPU1 link (`nvidia-smi topo -m`, e.g. NV18), which the table's GPUs column shows.
 `--strategy-set KEY=VALUE` changes settings of the strategy's conf/trainer/strategy/ file in both (the rows are
 their own cases; the GPUs column names the settings). The per-GPU ratio is against the one-GPU row of the same
 invocation where it has one (--gpus 1 N), else the file's one-GPU row when the row merged; the row keeps that rate.
@@ -70,7 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
 from bench.launchers import gpu_info  # noqa: E402
-from bench.strategies import backward_sync, check_settings, ddp_wrap, fsdp_wrap, shards_gradients  # noqa: E402
+from bench.strategies import backward_sync, check_settings, shards_gradients, wrap_for  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
 from flash_kernel.interface import EXTENSION_ENV  # noqa: E402
 from model.distributed import clip_grad_norm_, clip_sharded_grad_norm_  # noqa: E402
@@ -260,7 +260,8 @@ def run_bare_multi(model: str, seq_len: int, batch: int, attention: str, compile
                    gpus: int, strategy: str, loss: str = "torch", accumulation: int = 1,
                    sets: tuple[str, ...] = (), strategy_sets: tuple[str, ...] = (), timeout: float = 900) -> dict:
     """The bare loop on `gpus` GPUs: `torchrun --standalone --nproc_per_node=gpus bench/e2e.py --bare-rank SPEC`,
-    each rank running bare_step in the pipeline's DDP or FSDP (bench/strategies.py) with `strategy_sets`' settings;
+    each rank running bare_step in the pipeline's DDP, FSDP or FSDP2 (bench/strategies.py) with `strategy_sets`'
+    settings;
     rank 0's rates, per GPU."""
     spec = {"model": model, "seq_len": seq_len, "batch": batch, "attention": attention, "compile": compile,
             "warmup": warmup, "steps": steps, "strategy": strategy, "loss": loss, "accumulation": accumulation,
@@ -286,7 +287,7 @@ def bare_rank(spec: dict) -> None:
 
     local = join_torchrun_group()
     settings = parse_sets(spec["strategy_sets"], "--strategy-set")
-    wrap = (fsdp_wrap if spec["strategy"] == "fsdp" else ddp_wrap)(local, settings)
+    wrap = wrap_for(spec["strategy"], local, settings)
     try:
         out = run_bare(spec["model"], spec["seq_len"], spec["batch"], spec["attention"], spec["compile"],
                        spec["warmup"], spec["steps"], spec["loss"], spec["accumulation"], tuple(spec["sets"]),
@@ -575,7 +576,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "of B sequences with their gradients accumulated; default all in one forward")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "bare"], default=["pipeline", "bare"])
     ap.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts to run (N > 1: train.py with --strategy)")
-    ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="multi-GPU strategy (conf/trainer/)")
+    ap.add_argument("--strategy", choices=["ddp", "fsdp", "fsdp2"], default="ddp",
+                    help="multi-GPU strategy (conf/trainer/)")
     ap.add_argument("--strategy-set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="settings of the strategy's conf/trainer/strategy/ file for the --gpus N > 1 cases, the "
                          "pipeline's (trainer.strategy.KEY=VALUE) and the bare loop's alike, e.g. --strategy fsdp "

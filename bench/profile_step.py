@@ -23,7 +23,7 @@ same case show what the overlap costs compute.
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook copy_engine
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --strategy fsdp
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --micro-batches 8 --strategy fsdp2 \
-        --sharding-strategy SHARD_GRAD_OP    # FSDP2 (bench/strategies.fsdp2_wrap): one reduce-scatter per step
+        --sharding-strategy FULL_SHARD    # FSDP2 (trainer=fsdp2): one reduce-scatter per step
 
 Rows merge into bench/results/profile.json, keyed by device and case (model, T, micro-batches, attention, compile,
 --set, and the world size, strategy, sharding, all-reduce, reduce dtype, carve-out and NCCL protocol).
@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import join_torchrun_group, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
-from bench.strategies import ddp_wrap, fsdp2_wrap, fsdp_wrap  # noqa: E402
+from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
@@ -175,7 +175,8 @@ def table(row: dict, top: int) -> str:
     elif row.get("strategy") in ("fsdp", "fsdp2"):
         sharding = f", {row['sharding_strategy']}" if row.get("sharding_strategy") else ""
         strategy = row["strategy"].upper()
-        where = f"{world} × {row['device']} ({strategy}, conf/trainer/strategy/fsdp.yaml{sharding}{proto})"
+        conf = STRATEGY_FILES[row["strategy"]]
+        where = f"{world} × {row['device']} ({strategy}, conf/trainer/strategy/{conf}.yaml{sharding}{proto})"
     else:
         where = f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})"
     carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
@@ -226,11 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hook", choices=["average", "torch", "copy_engine"], default="average",
                     help="DDP's all-reduce: model/allreduce.py's (the pipeline's), torch's own, or the copy engines'")
     ap.add_argument("--strategy", choices=["ddp", "fsdp", "fsdp2"], default="ddp",
-                    help="under torchrun: the pipeline's DDP (with --reduce-dtype, --sm-carveout, --hook) or its FSDP; "
-                         "fsdp2: torch's fully_shard in fsdp.yaml's settings, accumulating without a reduce-scatter "
-                         "until a step's last micro-batch (bench/strategies.fsdp2_wrap; not a pipeline strategy yet)")
+                    help="under torchrun: the pipeline's DDP (with --reduce-dtype, --sm-carveout, --hook), its FSDP, "
+                         "or its FSDP2 (trainer=fsdp2: a reduce-scatter per optimizer step, not per micro-batch)")
     ap.add_argument("--sharding-strategy", choices=["FULL_SHARD", "SHARD_GRAD_OP"], default=None,
-                    help="fsdp and fsdp2: fsdp.yaml's sharding_strategy replaced")
+                    help="fsdp and fsdp2: the sharding_strategy of fsdp.yaml or fsdp2.yaml replaced")
     ap.add_argument("--nccl-protocol", choices=["LL", "LL128", "Simple"], default=None,
                     help="NCCL_PROTO (default: NCCL's choice per message size)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
@@ -251,20 +251,16 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     wrap, fsdp = None, world > 1 and args.strategy != "ddp"
     if fsdp and (args.reduce_dtype != "fp32" or args.sm_carveout or args.hook != "average"):
-        raise SystemExit(f"--strategy {args.strategy} takes conf/trainer/strategy/fsdp.yaml's settings: no "
+        conf = STRATEGY_FILES[args.strategy]
+        raise SystemExit(f"--strategy {args.strategy} takes conf/trainer/strategy/{conf}.yaml's settings: no "
                          "--reduce-dtype, --sm-carveout or --hook")
     if args.sharding_strategy and not fsdp:
         raise SystemExit("--sharding-strategy is FSDP's: run under torchrun with --strategy fsdp or fsdp2")
     sharding = {"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}
     if world > 1:  # the pipeline's DDP or FSDP (bench/strategies.py) in torchrun's process group
         local = join_torchrun_group()
-        if args.strategy == "fsdp2":
-            wrap = fsdp2_wrap("cuda", sharding)
-        elif fsdp:
-            wrap = fsdp_wrap(local, sharding)
-        else:
-            wrap = ddp_wrap(local, {"reduce_dtype": args.reduce_dtype, "sm_carveout": args.sm_carveout,
-                                    "comm_hook": args.hook})
+        ddp = {"reduce_dtype": args.reduce_dtype, "sm_carveout": args.sm_carveout, "comm_hook": args.hook}
+        wrap = wrap_for(args.strategy, local, sharding if fsdp else ddp)
     batch = max(1, args.tokens_per_step // args.seq_len)
     step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap,
                         accumulation=args.micro_batches, **overrides)

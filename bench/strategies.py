@@ -1,4 +1,4 @@
-"""The bare loop's DDP and FSDP, wrapped as the pipeline's `trainer=ddp` and `trainer=fsdp` wrap the GPT: the
+"""The bare loop's DDP, FSDP and FSDP2, wrapped as the pipeline's `trainer=ddp`, `fsdp` and `fsdp2` wrap the GPT: the
 settings come from the same conf/trainer/strategy/*.yaml files, so a bare step under torchrun runs what the
 pipeline runs without Lightning around it (bench/e2e.py's multi-GPU bare loop, bench/profile_step.py)."""
 
@@ -15,11 +15,13 @@ STRATEGY_CONF = REPO / "conf" / "trainer" / "strategy"
 DDP_KWARGS = ("gradient_as_bucket_view", "broadcast_buffers", "bucket_cap_mb")  # the keys torch's DDP takes
 FSDP_KWARGS = ("sharding_strategy", "param_dtype", "reduce_dtype", "limit_all_gathers", "forward_prefetch",
                "backward_prefetch")  # the keys that shape FSDP's step (not checkpointing's)
+FSDP2_KWARGS = ("sharding_strategy", "param_dtype", "reduce_dtype")  # and FSDP2's
 DDP_HOOK_KEYS = ("reduce_dtype", "sm_carveout", "comm_hook")  # model/allreduce.py's hook for DDP's buckets
-STRATEGY_FILES = {"ddp": "data_parallel", "fsdp": "fsdp"}  # a strategy's settings: conf/trainer/strategy/<file>.yaml
+# a strategy's settings: conf/trainer/strategy/<file>.yaml
+STRATEGY_FILES = {"ddp": "data_parallel", "fsdp": "fsdp", "fsdp2": "fsdp2"}
 # The settings bench/e2e.py's bare loop runs as the pipeline does; the carve-out also needs the matmuls to leave SMs
 # free (model/distributed.set_sm_carveout), which bench/profile_step.py sets and the bare loop does not.
-BARE_KEYS = {"ddp": (*DDP_KWARGS, "reduce_dtype", "comm_hook"), "fsdp": FSDP_KWARGS}
+BARE_KEYS = {"ddp": (*DDP_KWARGS, "reduce_dtype", "comm_hook"), "fsdp": FSDP_KWARGS, "fsdp2": FSDP2_KWARGS}
 LAUNCH_KEYS = ("_target_", "accelerator", "devices", "num_nodes", "precision")  # the trainer's, not the strategy's
 
 
@@ -28,15 +30,18 @@ def backward_sync(forward: torch.nn.Module, last: bool):
     gradients: DDP skips its all-reduce (no_sync) on every micro-batch but the step's last, so a step of K
     micro-batches all-reduces once; FSDP (and a model with no wrapper) runs as is, FSDP reduce-scattering every
     micro-batch's gradients (Lightning's ParallelStrategy.block_backward_sync does the same). FSDP2 (fsdp2_wrap)
-    accumulates as DDP does: on all but the last micro-batch its gradients stay unsharded and unreduced (fp32, its
-    reduce dtype) and its weights stay gathered after backward, so a step reduce-scatters once."""
+    accumulates as DDP does, as trainer=fsdp2 has it (model/fsdp2.py accumulating): on all but the last micro-batch
+    its gradients stay unsharded and unreduced and its weights gathered, so a step reduce-scatters once."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    from model.fsdp2 import accumulating
+
+    if last:
+        return contextlib.nullcontext()
     if isinstance(forward, FSDPModule):
-        forward.set_requires_gradient_sync(last)
-        forward.set_reshard_after_backward(last)
-    elif isinstance(forward, DistributedDataParallel) and not last:
+        return accumulating(forward)
+    if isinstance(forward, DistributedDataParallel):
         return forward.no_sync()
     return contextlib.nullcontext()
 
@@ -122,29 +127,28 @@ def fsdp_wrap(local_rank: int, overrides: dict | None = None):
 
 
 def fsdp2_wrap(device_type: str = "cuda", overrides: dict | None = None):
-    """A function that shards the GPT with FSDP2 (torch's fully_shard: one unit per Block, one for the rest) in
-    fsdp.yaml's dtypes and sharding (`overrides` of the same keys on top): FULL_SHARD frees each Block's gathered
-    weights after its forward, SHARD_GRAD_OP keeps them until its backward. The bare loop's only, to time FSDP2's
-    accumulation (backward_sync) before a pipeline strategy is built on it. Call it inside the process group."""
+    """A function that shards the GPT with FSDP2 as trainer=fsdp2 does under bf16-mixed (model/fsdp2.py shard_gpt:
+    one unit per Block, one for the rest) in fsdp2.yaml's settings, `overrides` of the same keys on top. Call it
+    inside the process group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from model.distributed import DTYPES
-    from model.gpt import Block
+    from model.distributed import setting_dtype
+    from model.fsdp2 import check_sharding, shard_gpt
 
-    settings = {**strategy_settings("fsdp", ("sharding_strategy", "param_dtype", "reduce_dtype")), **(overrides or {})}
-    reshard = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}.get(settings["sharding_strategy"])
-    if reshard is None:
-        raise ValueError(f"fsdp2_wrap runs sharding_strategy FULL_SHARD or SHARD_GRAD_OP, not "
-                         f"{settings['sharding_strategy']}")
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[settings["param_dtype"]],
-                                  reduce_dtype=DTYPES[settings["reduce_dtype"]])
+    settings = {**strategy_settings("fsdp2", FSDP2_KWARGS), **(overrides or {})}
+    check_sharding(settings["sharding_strategy"])
+    param_dtype, reduce_dtype = (setting_dtype(key, settings[key]) for key in ("param_dtype", "reduce_dtype"))
 
     def wrap(gpt: torch.nn.Module) -> torch.nn.Module:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        for block in [m for m in gpt.modules() if isinstance(m, Block)]:
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        return fully_shard(gpt, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        return shard_gpt(gpt, mesh, settings["sharding_strategy"], param_dtype, reduce_dtype)
 
     return wrap
+
+
+def wrap_for(strategy: str, local_rank: int, overrides: dict | None = None):
+    """ddp_wrap, fsdp_wrap or fsdp2_wrap for a strategy's name (STRATEGY_FILES), on CUDA device `local_rank`."""
+    if strategy == "fsdp2":
+        return fsdp2_wrap("cuda", overrides)
+    return {"ddp": ddp_wrap, "fsdp": fsdp_wrap}[strategy](local_rank, overrides)

@@ -1,10 +1,10 @@
 """A trained model back from a Lightning checkpoint: its config, its weights, and whether it is the model a
 config describes.
 
-A checkpoint is a file (one process, DDP, or FSDP with state_dict_type=full) or a directory of shards (FSDP's
-sharded state dict: torch.distributed.checkpoint files plus Lightning's meta.pt with everything else). Both
-hold the LightningModule's state, whose keys are the GPT's prefixed with "model.", and its hyper_parameters,
-whose "model" entry is the GPTConfig the run built (model/lit_gpt.py).
+A checkpoint is a file (one process, DDP, or FSDP and FSDP2 with state_dict_type=full) or a directory of shards
+(FSDP's and FSDP2's sharded state dict: torch.distributed.checkpoint files plus Lightning's meta.pt with
+everything else). Both hold the LightningModule's state, whose keys are the GPT's prefixed with "model.", and
+its hyper_parameters, whose "model" entry is the GPTConfig the run built (model/lit_gpt.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from model.gpt import GPT, GPTConfig
 
 SHARDED_METADATA = "meta.pt"  # Lightning's non-tensor part of a sharded checkpoint directory
+SHARDED_MODEL_KEYS = ("model", "state_dict")  # where a sharded directory keeps the module's tensors: FSDP, FSDP2
 PREFIX = "model."  # LitGPT.model
 
 # The fields that only change how the same weights run; every other field changes the weights or the function.
@@ -100,8 +101,9 @@ def load_weights(model: GPT, path: str | Path, meta: dict[str, Any] | None = Non
     # torch.distributed.checkpoint fills the tensors it is given, in one process as well: only the model's
     # (Lightning stores the optimizer's beside them), and only names the shards hold (tied weights may be one).
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
-    wanted = {f"{PREFIX}{k}": v for k, v in model.state_dict().items() if f"model.{PREFIX}{k}" in stored}
+    top = next((key for key in SHARDED_MODEL_KEYS if any(name.startswith(f"{key}.") for name in stored)), "model")
+    wanted = {f"{PREFIX}{k}": v for k, v in model.state_dict().items() if f"{top}.{PREFIX}{k}" in stored}
     missing = {f"{PREFIX}{name}" for name, p in model.named_parameters()} - wanted.keys()  # one name per tensor
     if missing:
         raise ValueError(f"{path} lacks the weights {sorted(missing)[:4]}...: not a checkpoint of this model")
-    load({"model": wanted}, checkpoint_id=path, no_dist=True)
+    load({top: wanted}, checkpoint_id=path, no_dist=True)

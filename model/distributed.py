@@ -26,7 +26,7 @@ from model.gpt import Block
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _dtype(key: str, name: str) -> torch.dtype:
+def setting_dtype(key: str, name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"trainer.strategy.{key}={name!r}: use one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -159,7 +159,7 @@ def data_parallel(
     if comm_hook == "torch":
         return DDPStrategy(**ddp)
     set_sm_carveout(int(sm_carveout), sm_carveout_scope)
-    return AveragingDDPStrategy(_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), sm_carveout_scope,
+    return AveragingDDPStrategy(setting_dtype("reduce_dtype", reduce_dtype), int(sm_carveout), sm_carveout_scope,
                                 copy_engine=comm_hook == "copy_engine", **ddp)
 
 
@@ -187,8 +187,8 @@ def fsdp_strategy(
     mixed_precision = None
     if precision == "bf16-mixed":
         # buffer_dtype None: float buffers keep their dtype (GPT has none; a RoPE table would stay exact)
-        mixed_precision = MixedPrecision(param_dtype=_dtype("param_dtype", param_dtype),
-                                         reduce_dtype=_dtype("reduce_dtype", reduce_dtype))
+        mixed_precision = MixedPrecision(param_dtype=setting_dtype("param_dtype", param_dtype),
+                                         reduce_dtype=setting_dtype("reduce_dtype", reduce_dtype))
     return FSDPStrategy(
         auto_wrap_policy={Block},
         activation_checkpointing_policy={Block} if activation_checkpointing else None,
@@ -261,6 +261,8 @@ def clip_grad_norm_(module: torch.nn.Module, strategy: Any, max_norm: float,
             return clip_sharded_grad_norm_(module.parameters(), max_norm, root.process_group, optimizer)
         return root.clip_grad_norm_(max_norm)  # replicated or hybrid shards: FSDP knows which ranks to sum
     parameters = [p for p in module.parameters() if p.grad is not None]
+    if parameters and isinstance(parameters[0].grad, DTensor):  # FSDP2 (model/fsdp2.py): shards over its mesh
+        return clip_sharded_grad_norm_(parameters, max_norm, parameters[0].grad.device_mesh.get_group(), optimizer)
     total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)  # both run without autograd
     clip_grads_with_norm_(parameters, max_norm, total, optimizer)
     return total

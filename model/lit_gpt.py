@@ -23,6 +23,7 @@ from model.attention import check_attention_runs_on
 from model.checkpoint import check_model_matches
 from model.distributed import clip_grad_norm_
 from model.flops import flops_per_token
+from model.fsdp2 import FSDP2Strategy
 from model.gpt import GPT, GPTConfig
 from model.loss import check_loss, next_token_loss
 
@@ -79,7 +80,7 @@ class LitGPT(L.LightningModule):
 
     def configure_model(self) -> None:
         # In-place nn.Module.compile keeps module types and state_dict keys unchanged, so checkpoints load
-        # into an uncompiled model and FSDP still finds the Blocks to wrap. Under FSDP each block is
+        # into an uncompiled model and FSDP still finds the Blocks to wrap. Under FSDP and FSDP2 each block is
         # compiled on its own: a graph spanning FSDP units would break at every unit's hooks. The loss is
         # compiled too, so it reads the bf16 logits without an fp32 copy (GPT3-1.3B at 8k on an H100: its
         # kernels 8.8 ms per step eager, 2.5 ms compiled; bench/profile_step.py).
@@ -87,7 +88,7 @@ class LitGPT(L.LightningModule):
             return
         if self.hparams.loss == "torch":  # loss=fused is its own kernels, compiled or not (model/cross_entropy.py)
             self.loss_fn = torch.compile(next_token_loss)
-        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+        if self._trainer is not None and isinstance(self.trainer.strategy, (FSDPStrategy, FSDP2Strategy)):
             for block in self.model.blocks:
                 block.compile()
         else:

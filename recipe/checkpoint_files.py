@@ -127,8 +127,9 @@ def verify_checkpoint(path: str | os.PathLike) -> bool:
     without a checksum file (written elsewhere) passes unverified: returns whether it was verified."""
     path = Path(path)
     if path.is_dir():
-        raise refuse(path, "it is a directory, not a checkpoint file (a sharded FSDP checkpoint resumes only "
-                            "with trainer=fsdp and trainer.strategy.state_dict_type=sharded)")
+        raise refuse(path, "it is a directory, not a checkpoint file (a sharded checkpoint resumes only with the "
+                            "trainer that wrote it, trainer=fsdp or fsdp2, and "
+                            "trainer.strategy.state_dict_type=sharded)")
     if not path.is_file():
         raise refuse(path, "no such file")
     sums = checksum_path(path)

@@ -1,6 +1,6 @@
 """`VerifiedCheckpointIO`: Lightning's CheckpointIO plugin (conf/trainer/default.yaml) for single-file
-checkpoints (one device, DDP, FSDP with state_dict_type=full) that writes them atomically with a sha256 and
-verifies it before loading (recipe/checkpoint_files.py). FSDP's sharded checkpoints are directories that
+checkpoints (one device, DDP, FSDP and FSDP2 with state_dict_type=full) that writes them atomically with a sha256 and
+verifies it before loading (recipe/checkpoint_files.py). Sharded checkpoints (FSDP, FSDP2) are directories that
 torch.distributed.checkpoint writes without it.
 """
 

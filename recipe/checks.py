@@ -51,7 +51,7 @@ def validate_trainer(trainer: DictConfig, launcher: Launcher) -> None:
     strategy = trainer.get("strategy", "auto")
     if isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
         raise ConfigError(
-            f"trainer.strategy={strategy!r} is not a strategy name; use trainer=ddp or trainer=fsdp "
+            f"trainer.strategy={strategy!r} is not a strategy name; use trainer=ddp, trainer=fsdp or trainer=fsdp2 "
             f"(conf/trainer/), or one of Lightning's: {', '.join(StrategyRegistry.available_strategies())}"
         )
     on_gpu = _accelerator(trainer) == "gpu"

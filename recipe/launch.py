@@ -151,7 +151,10 @@ def describe_launch(trainer, launcher: Launcher) -> str:
         line += f" ({torch.cuda.get_device_name(device)})"
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
-    kinds = ((FSDPStrategy, "FSDP"), (DDPStrategy, "DDP"), (SingleDeviceStrategy, "one device"))  # subclasses too
+    from model.fsdp2 import FSDP2Strategy
+
+    kinds = ((FSDPStrategy, "FSDP"), (FSDP2Strategy, "FSDP2"), (DDPStrategy, "DDP"),
+             (SingleDeviceStrategy, "one device"))  # subclasses too
     strategy = next((label for cls, label in kinds if isinstance(trainer.strategy, cls)), type(trainer.strategy).__name__)
     line += f", {strategy}"
     if world > 1:

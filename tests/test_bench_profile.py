@@ -77,7 +77,7 @@ def test_table_names_the_strategy_and_the_all_reduce_of_a_multi_gpu_row():
     assert "on 2 × GPU X (DDP, fp32 all-reduce)" in heading["ddp"]
     assert "(DDP, fp32 all-reduce, on the copy engines)" in heading["copy"]
     assert "on 2 × GPU X (FSDP, conf/trainer/strategy/fsdp.yaml)" in heading["fsdp"]
-    assert "on 2 × GPU X (FSDP2, conf/trainer/strategy/fsdp.yaml, SHARD_GRAD_OP)" in heading["fsdp2"]
+    assert "on 2 × GPU X (FSDP2, conf/trainer/strategy/fsdp2.yaml, SHARD_GRAD_OP)" in heading["fsdp2"]
     rows = [{**base, "hook": "average"}, {**base, "strategy": "fsdp", "hook": "average"},
             {**base, "strategy": "fsdp", "hook": "average", "sharding_strategy": "SHARD_GRAD_OP"},
             {**base, "strategy": "fsdp2", "hook": "average"}]

@@ -162,5 +162,5 @@ def test_fsdp2_accumulates_unreduced_and_clips_as_the_unsharded_model(tmp_path, 
                 torch.testing.assert_close(p.full_tensor(), r, **tol)
     finally:
         dist.destroy_process_group()
-    with pytest.raises(ValueError, match="FULL_SHARD or SHARD_GRAD_OP, not NO_SHARD"):
+    with pytest.raises(ValueError, match="sharding_strategy='NO_SHARD': FSDP2 runs FULL_SHARD or SHARD_GRAD_OP"):
         strategies.fsdp2_wrap("cpu", {"sharding_strategy": "NO_SHARD"})

@@ -81,6 +81,26 @@ def test_strategies_instantiate_on_cpu():
     assert isinstance(fsdp, FSDPStrategy)
 
 
+def test_fsdp2_strategy_takes_its_settings_and_refuses_bad_ones():
+    import torch
+
+    from model.fsdp2 import FSDP2Strategy
+
+    fsdp2 = instantiate(compose_train("trainer=fsdp2").trainer.strategy)
+    assert isinstance(fsdp2, FSDP2Strategy) and fsdp2.sharding_strategy == "SHARD_GRAD_OP"
+    assert (fsdp2.param_dtype, fsdp2.reduce_dtype) == (torch.bfloat16, torch.float32)  # trainer=fsdp2 is bf16-mixed
+    assert fsdp2._save_distributed_checkpoint
+    full = instantiate(compose_train("trainer=fsdp2", "trainer.precision=32-true",
+                                     "trainer.strategy.state_dict_type=full",
+                                     "trainer.strategy.sharding_strategy=FULL_SHARD").trainer.strategy)
+    assert (full.param_dtype, full.reduce_dtype, full._save_distributed_checkpoint) == (None, None, False)
+    for key, value, match in (("sharding_strategy", "HYBRID_SHARD", "FSDP2 runs FULL_SHARD or SHARD_GRAD_OP"),
+                              ("state_dict_type", "local", "use sharded or full"),
+                              ("reduce_dtype", "fp16", "reduce_dtype='fp16': use one of fp32, bf16")):
+        with pytest.raises(Exception, match=match):
+            instantiate(compose_train("trainer=fsdp2", f"trainer.strategy.{key}={value}").trainer.strategy)
+
+
 def test_cpu_trainer_instantiates():
     trainer = instantiate(compose_train("trainer=cpu", "output_dir=/tmp/x").trainer, logger=False, callbacks=[])
     assert trainer.max_steps > 0 and trainer.precision == "32-true"

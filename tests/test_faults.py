@@ -268,13 +268,13 @@ two_gpus = pytest.mark.skipif(
 
 @pytest.mark.gpu
 @two_gpus
-@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_sigterm_under_fsdp_on_two_gpus(reference, tmp_path, state_dict_type):
-    """SIGTERM to the launching process of a 2-GPU FSDP run: both ranks stop after the same step, the
+@pytest.mark.parametrize("trainer, state_dict_type", [("fsdp", "sharded"), ("fsdp", "full"), ("fsdp2", "sharded")])
+def test_sigterm_under_fsdp_on_two_gpus(reference, tmp_path, trainer, state_dict_type):
+    """SIGTERM to the launching process of a 2-GPU FSDP or FSDP2 run: both ranks stop after the same step, the
     checkpoint (a directory of shards, or one file) is written, the exit status is 143, and the resumed run
     reaches max_steps with the uninterrupted run's loss (up to the attention backward's atomics)."""
     steps = 40
-    common = ("trainer=fsdp", "trainer.devices=2", "attention=flash", "trainer.precision=bf16-mixed",
+    common = (f"trainer={trainer}", "trainer.devices=2", "attention=flash", "trainer.precision=bf16-mixed",
               f"trainer.strategy.state_dict_type={state_dict_type}", f"trainer.max_steps={steps}", "ckpt_every=2",
               "model.d_model=128", "model.n_head=2", "logger=csv")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -103,7 +103,7 @@ def test_a_launch_that_cannot_work_is_refused_by_name(launch_env, monkeypatch, e
 def test_the_default_trainer_passes_under_every_launcher(launch_env, monkeypatch, env, gpus):
     launch_env(env)
     _fake_gpus(monkeypatch, gpus)
-    for trainer in ("default", "ddp", "fsdp"):
+    for trainer in ("default", "ddp", "fsdp", "fsdp2"):
         validate_trainer(compose_train(f"trainer={trainer}").trainer, detect_launcher())
 
 

@@ -182,10 +182,12 @@ two_gpus = pytest.mark.skipif(
 )
 
 
-def _launch(data_cache, out, *extra):
-    """`python train.py ...` as a user runs it (Lightning starts the other ranks); returns rank 0's metrics.json."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "train.py", *_overrides(data_cache, out, "logger=csv", "trainer.precision=bf16-mixed", *extra)]
+def _launch(data_cache, out, *extra, cpu=False):
+    """`python train.py ...` as a user runs it (Lightning starts the other ranks); returns rank 0's metrics.json.
+    cpu: the ranks on the CPU in fp32 (gloo), no GPU visible."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
+    precision = ("trainer.accelerator=cpu", "trainer.precision=32-true") if cpu else ("trainer.precision=bf16-mixed",)
+    cmd = [sys.executable, "train.py", *_overrides(data_cache, out, "logger=csv", *precision, *extra)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text())
@@ -204,11 +206,14 @@ def test_ddp_two_gpus(data_cache, tmp_path, attention):
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
-def test_fsdp_checkpoint_resume_continues_the_run(data_cache, tmp_path, state_dict_type):
-    """FSDP on 2 GPUs: resuming from the step-4 checkpoint (a directory of shards, or one gathered file) ends
-    at the same step with the same loss as the uninterrupted run (up to atomics in the attention backward)."""
-    common = ("trainer=fsdp", "trainer.devices=2", "attention=flash", f"trainer.strategy.state_dict_type={state_dict_type}",
-              "trainer.max_steps=8", "ckpt_every=4", "trainer.val_check_interval=100")
+@pytest.mark.parametrize("trainer", ["fsdp", "fsdp2"])
+def test_fsdp_checkpoint_resume_continues_the_run(data_cache, tmp_path, trainer, state_dict_type):
+    """FSDP and FSDP2 on 2 GPUs, two micro-batches per rank and step: resuming from the step-4 checkpoint (a
+    directory of shards, or one gathered file) ends at the same step with the same loss as the uninterrupted run
+    (up to atomics in the attention backward)."""
+    common = (f"trainer={trainer}", "trainer.devices=2", "attention=flash", "global_batch_tokens=2048",
+              f"trainer.strategy.state_dict_type={state_dict_type}", "trainer.max_steps=8", "ckpt_every=4",
+              "trainer.val_check_interval=100")
     full = _launch(data_cache, tmp_path / "full", *common)
     mid = tmp_path / "full" / "checkpoints" / "step0000004.ckpt"
     assert mid.is_dir() if state_dict_type == "sharded" else mid.is_file()
@@ -217,19 +222,23 @@ def test_fsdp_checkpoint_resume_continues_the_run(data_cache, tmp_path, state_di
     assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=2e-2)
 
 
-def test_two_ranks_train_like_one_accumulating_rank(data_cache, tmp_path):
-    """Same global batch, same seed: 2 DDP ranks (gloo, CPU) and 1 rank accumulating 2 micro-batches see the
-    same windows per optimizer step, so their validation losses agree to float reduction order."""
+@pytest.mark.parametrize("trainer, global_batch_tokens", [("ddp", 512), ("fsdp2", 1024)])
+def test_two_ranks_train_like_one_accumulating_rank(data_cache, tmp_path, trainer, global_batch_tokens):
+    """Same global batch, same seed: 2 ranks (gloo, CPU) and 1 rank accumulating their micro-batches see the same
+    windows per optimizer step, so their validation losses agree to float reduction order. DDP's ranks take one
+    micro-batch a step; FSDP2's take two, the first without a reduce-scatter (model/fsdp2.py accumulating)."""
     from bench.loss_curves import compare, read_curves
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     curves = {}
-    for name, extra in (("one", ("trainer=cpu", "trainer.val_check_interval=8")),
-                        ("two", ("trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-                                 "trainer.precision=32-true", "trainer.val_check_interval=4"))):
+    micro_batches = global_batch_tokens // (4 * 64)  # per step, over the ranks: data.batch_size 4 × seq_len 64
+    for name, extra in (("one", ("trainer=cpu", f"trainer.val_check_interval={4 * micro_batches}")),
+                        ("two", (f"trainer={trainer}", "trainer.accelerator=cpu", "trainer.devices=2",
+                                 "trainer.precision=32-true", f"trainer.val_check_interval={4 * micro_batches // 2}"))):
         out = tmp_path / name
-        cmd = [sys.executable, "train.py", *_overrides(data_cache, out, "logger=csv", "global_batch_tokens=512",
-               "trainer.max_steps=8", "~callbacks.checkpoint", "+trainer.enable_checkpointing=false", *extra)]
+        cmd = [sys.executable, "train.py", *_overrides(data_cache, out, "logger=csv",
+               f"global_batch_tokens={global_batch_tokens}", "trainer.max_steps=8", "~callbacks.checkpoint",
+               "+trainer.enable_checkpointing=false", *extra)]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (metrics_csv,) = (out / "csv").rglob("metrics.csv")
@@ -237,6 +246,41 @@ def test_two_ranks_train_like_one_accumulating_rank(data_cache, tmp_path):
     result = compare(curves["one"], curves["two"])
     assert len(result["val_steps"]) == 2  # validation at the same optimizer steps (4 and 8) in both runs
     assert result["max_rel_val_diff"] < 1e-4
+
+
+def test_fsdp2_checkpoints_resume_and_hold_the_same_weights_on_cpu(data_cache, tmp_path):
+    """FSDP2 on 2 CPU ranks (gloo, fp32), two micro-batches per rank and step: resuming from the step-4 checkpoint,
+    a directory of shards or one gathered file, ends where the uninterrupted run ends; the gathered file, damaged,
+    is refused; the step-8 directory and file hold the same weights (model/checkpoint.py load_weights reads both)."""
+    from model.checkpoint import load_weights, read_metadata
+    from model.gpt import GPT, GPTConfig
+
+    common = ("trainer=fsdp2", "trainer.devices=2", "global_batch_tokens=1024", "trainer.max_steps=8",
+              "ckpt_every=4", "trainer.val_check_interval=100")
+    weights = {}
+    for kind in ("sharded", "full"):
+        full = _launch(data_cache, tmp_path / kind, *common, f"trainer.strategy.state_dict_type={kind}", cpu=True)
+        mid, last = (tmp_path / kind / "checkpoints" / f"step000000{n}.ckpt" for n in (4, 8))
+        assert mid.is_dir() if kind == "sharded" else (mid.is_file() and mid.with_name(f"{mid.name}.sha256").is_file())
+        resumed = _launch(data_cache, tmp_path / f"{kind}-resumed", *common, f"trainer.strategy.state_dict_type={kind}",
+                          f"ckpt_path={mid}", cpu=True)
+        assert full["global_step"] == resumed["global_step"] == 8
+        assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=1e-5)
+        if kind == "full":  # a byte flipped in the file: refused by its checksum before torch.load, naming it
+            data = bytearray(mid.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            mid.write_bytes(bytes(data))
+            cmd = [sys.executable, "train.py", *_overrides(data_cache, tmp_path / "damaged", "trainer.accelerator=cpu",
+                   "trainer.precision=32-true", *common, "trainer.strategy.state_dict_type=full", f"ckpt_path={mid}")]
+            proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                                  text=True, timeout=300)
+            assert proc.returncode != 0 and f"cannot resume from ckpt_path={mid}: its bytes do not match" in proc.stderr
+        meta = read_metadata(last)
+        gpt = GPT(GPTConfig(**meta["hyper_parameters"]["model"]))
+        load_weights(gpt, last, meta)
+        weights[kind] = gpt.state_dict()
+    for name, tensor in weights["sharded"].items():
+        torch.testing.assert_close(weights["full"][name], tensor, rtol=0, atol=0, msg=name)
 
 
 def test_progress_bar_of_a_resumed_run_has_a_total_and_counts_from_its_step():
