@@ -18,20 +18,20 @@ FLOPs per token = 6·N + 12·L·d·T (model/flops.py). OOM is recorded as OOM, n
     python bench/e2e.py                                   # everything (long: run by parts)
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions sdpa flash --compile both
     python bench/e2e.py --models gpt3-2.7b --seqlens 8192 --micro-batch 1   # 2 micro-batches per step
-    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --tokens-per-step 131072 --micro-batch 2 --warmup 2 \
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --tokens-per-step 131072 --micro-batch 2 --warmup 2 \\
         --steps 4 --modes pipeline                        # the FA2 paper's 128k tokens per GPU per optimizer step
     python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --compile both --modes pipeline
     python bench/e2e.py --models llama-1b --seqlens 8192 --attentions sdpa flash --modes pipeline --rounds 3
                                                           # sdpa, flash, sdpa, flash, ...: medians of 3 runs each
     python bench/e2e.py --plot-only                       # redraw table and figure from the JSON
     python bench/e2e.py --gpus 1 2 --strategy ddp --attentions flash   # per-GPU scaling, 1 vs 2 GPUs
-    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --gpus 2 --strategy fsdp \
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --gpus 2 --strategy fsdp \\
         --strategy-set sharding_strategy=SHARD_GRAD_OP            # a strategy setting changed, pipeline and bare
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --loss torch  # loss=torch rows
     python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --set fused_add_norm=true  # model fields
-    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --modes pipeline --rounds 3 \
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash --modes pipeline --rounds 3 \\
         --vs fused_add_norm=true fused_bias_gelu=true     # default, fused, default, fused, ...: the options timed
-    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash flex sdpa --document-mask both \
+    python bench/e2e.py --models gpt3-1.3b --seqlens 8192 --attentions flash flex sdpa --document-mask both \\
         --modes pipeline                                  # document masking beside the unmasked rows
 
 With --gpus N > 1 each pipeline case is `python train.py trainer=<strategy> trainer.devices=N ...` in a

@@ -25,7 +25,7 @@ naive does not take it). OOM is recorded as "OOM", a backend that refuses the sh
     python bench/kernel.py --hdims 128 --causal 1 --seqlens 2048 --methods ours sdpa_cudnn --rounds 5 --rep-ms 30
                                                              # in turn, 5 times per mode: ratios that clock drift spares
 
-    python -m flash_kernel.build --out /tmp/b && python bench/kernel.py --candidate /tmp/b/_C*.so \
+    python -m flash_kernel.build --out /tmp/b && python bench/kernel.py --candidate /tmp/b/_C*.so \\
         --methods ours ours_candidate --rounds 5 --hdims 128 --causal 1
                                                              # another build (other nvcc flags) against the
                                                              # package's, in turn on the same tensors

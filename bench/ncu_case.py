@@ -1,6 +1,6 @@
 """One attention case of the kernel benchmark, run a few times for a profiler to capture (ncu, nsys).
 
-    ncu --section SpeedOfLight --section WarpStateStats -k regex:flash_fwd -c 1 \
+    ncu --section SpeedOfLight --section WarpStateStats -k regex:flash_fwd -c 1 \\
         python3 bench/ncu_case.py --method ours --hdim 128 --seqlen 8192 --mode fwd
     ncu ... -k regex:cudnn -c 1 python3 bench/ncu_case.py --method sdpa_cudnn ...
 
