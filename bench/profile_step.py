@@ -22,24 +22,31 @@ same case show what the overlap costs compute.
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook torch
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --hook copy_engine
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --strategy fsdp
-    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --micro-batches 8 --strategy fsdp2 \
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --seq-len 8192 --micro-batches 8 --strategy fsdp2 \\
         --sharding-strategy FULL_SHARD    # FSDP2 (trainer=fsdp2): one reduce-scatter per step
 
-Rows merge into bench/results/profile.json, keyed by device and case (model, T, micro-batches, attention, compile,
---set, and the world size, strategy, sharding, all-reduce, reduce dtype, carve-out and NCCL protocol).
+--pipeline profiles `python train.py` with the same case instead (bench/pipeline_profiler.py: the model, data,
+Lightning loop, AdamW and clipping of a real run), summed up as the bare step is (bench/trace.py), so that a gap
+between the pipeline's tokens/s and the bare loop's (bench/e2e.py) shows where it goes: slower or more kernels, or
+a GPU left idle by the host. On several GPUs Lightning starts the ranks (trainer=--strategy, --gpus N):
+
+    python bench/profile_step.py --pipeline --seq-len 8192 --micro-batches 8 --loss fused
+    python bench/profile_step.py --pipeline --gpus 2 --strategy fsdp2 --seq-len 8192 --micro-batches 8 --loss fused
+    torchrun --standalone --nproc_per_node=2 bench/profile_step.py --strategy fsdp2 --seq-len 8192 --micro-batches 8 \\
+        --loss fused                     # the bare step beside it
+
+Rows merge into bench/results/profile.json, keyed by device and case (model, T, micro-batches, attention, loss,
+compile, --set, pipeline or bare step, and the world size, strategy, sharding, all-reduce, reduce dtype, carve-out
+and NCCL protocol).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
-import tempfile
 import time
-from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
@@ -51,102 +58,14 @@ sys.path.insert(0, str(REPO))
 from bench.common import join_torchrun_group, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
+from bench.trace import step_summary  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
-
-# First match wins, so the specific names come before the generic ones ("copy", "elementwise"). Inductor's
-# kernels carry the aten ops they fused in their names (triton_red_fused_native_layer_norm_...), so they fall
-# into the category of the first op named here.
-CATEGORIES: list[tuple[str, str]] = [
-    ("communication", r"nccl"),
-    ("attention", r"flash|fmha|sdpa|attn"),
-    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|\bmm\b|addmm"),
-    ("AdamW", r"adam"),
-    ("LayerNorm", r"layer_norm|layernorm|gammabeta"),
-    ("GELU", r"gelu"),
-    ("cross-entropy", r"softmax|nll_loss|cross_entropy"),
-    ("dtype casts and copies", r"copy|cast|_to_"),
-    ("reductions", r"reduce|norm|sum"),
-    ("elementwise", r"elementwise|vectorized|add|mul|fill|where|triton_poi"),
-]
+PIPELINE_OUT = RESULTS / "runs" / "profile_pipeline"  # the pipeline's run directory and its profiler's JSON
 
 
-def category(kernel: str) -> str:
-    """The CATEGORIES name of a kernel (or aten op) name, case-insensitive; 'other' if none matches."""
-    name = kernel.lower()
-    return next((cat for cat, pattern in CATEGORIES if re.search(pattern, name)), "other")
-
-
-def kernel_times(prof, steps: int) -> dict[str, float]:
-    """Milliseconds per step of each CUDA kernel name in a finished profiler."""
-    out: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            out[evt.key] += evt.self_device_time_total / 1e3 / steps  # microseconds -> ms
-    return dict(out)
-
-
-def summarize(kernels: dict[str, float]) -> dict[str, float]:
-    """ms per step by category, largest first, plus 'all kernels'."""
-    cats: dict[str, float] = defaultdict(float)
-    for name, ms in kernels.items():
-        cats[category(name)] += ms
-    out = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
-    out["all kernels"] = sum(kernels.values())
-    return out
-
-
-def _merged(intervals) -> list[tuple[float, float]]:
-    """The union of (start, end) intervals as sorted, disjoint intervals."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def _common_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the intersection of two _merged interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def communication_overlap(kernels: list[dict], steps: int) -> dict:
-    """From chrome-trace kernel events ({"name", "ts", "dur" in µs, "args": {"grid"}}): ms per step during
-    which NCCL kernels run, and how much of it no other kernel runs beside them (exposed); the most CTAs one
-    NCCL kernel launched."""
-    comm = [k for k in kernels if category(k["name"]) == "communication"]
-    nccl = _merged((k["ts"], k["ts"] + k["dur"]) for k in comm)
-    compute = _merged((k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) != "communication")
-    busy = sum(end - start for start, end in nccl)
-    hidden = _common_length(nccl, compute)
-    return {"nccl_ms": busy / 1e3 / steps, "exposed_ms": (busy - hidden) / 1e3 / steps,
-            "nccl_ctas": max((math.prod(k.get("args", {}).get("grid", [0])) for k in comm), default=0)}
-
-
-def gpu_timeline(events: list[dict], steps: int) -> dict:
-    """From chrome-trace GPU events (kernels, memcpys, memsets): ms per step from the first one's start to the
-    last one's end (span), and how much of the span no GPU work runs (idle: the gaps the host leaves)."""
-    busy = _merged((e["ts"], e["ts"] + e["dur"]) for e in events)
-    if not busy:
-        return {"span_ms": 0.0, "idle_ms": 0.0}
-    span = busy[-1][1] - busy[0][0]
-    return {"span_ms": span / 1e3 / steps, "idle_ms": (span - sum(end - start for start, end in busy)) / 1e3 / steps}
-
-
-def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, list[dict]]:
-    """(kernel ms per step by name, wall ms per profiled step, the GPU's chrome-trace events: kernels, memcpys
-    and memsets)."""
+def profile(step, warmup: int, steps: int, world: int = 1) -> dict:
+    """`warmup` steps, then `steps` steps under torch.profiler (CUDA kernels), summed up (bench/trace.step_summary)."""
     from torch.profiler import ProfilerActivity
 
     for _ in range(warmup):
@@ -158,11 +77,28 @@ def profile(step, warmup: int, steps: int) -> tuple[dict[str, float], float, lis
             step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(f"{tmp}/trace.json")
-        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    return kernel_times(prof, steps), wall_ms, gpu
+    return step_summary(prof, steps, wall_ms, world)
+
+
+def profile_pipeline(args: argparse.Namespace, batch: int, world: int, strategy_sets: tuple[str, ...]) -> dict:
+    """`python train.py` for the case (bench/e2e.py's overrides: its model, data, AdamW and clipping), `world` GPUs,
+    PipelineProfiler over --steps optimizer steps after --warmup; returns its summary (bench/trace.step_summary's
+    fields, and the steps and micro-batches it covered)."""
+    from bench.e2e import _overrides, launch_train
+
+    out = PIPELINE_OUT / "profile.json"
+    out.unlink(missing_ok=True)
+    callback = "+callbacks.pipeline_profiler"
+    overrides = [*_overrides(args.model, args.seq_len, batch, args.attention, args.compile, args.warmup + args.steps,
+                             args.warmup, trainer=args.strategy if world > 1 else "gpu", loss=args.loss,
+                             accumulation=args.micro_batches, gpus=world, sets=tuple(args.set),
+                             strategy_sets=strategy_sets),
+                 f"trainer.devices={world}", f"{callback}._target_=bench.pipeline_profiler.PipelineProfiler",
+                 f"{callback}.out={out}", f"{callback}.warmup={args.warmup}", f"{callback}.steps={args.steps}"]
+    launch_train(overrides, PIPELINE_OUT)
+    if not out.is_file():
+        raise SystemExit(f"train.py ended without its profile ({out}); its output: {PIPELINE_OUT / 'train.log'}")
+    return json.loads(out.read_text())
 
 
 def table(row: dict, top: int) -> str:
@@ -181,7 +117,9 @@ def table(row: dict, top: int) -> str:
         where = f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})"
     carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
     micro = f" × {row['accumulation']} micro-batches" if row.get("accumulation", 1) > 1 else ""
-    lines = [f"{row['model']} {row['batch']}×{row['seq_len']}{micro} attention={row['attention']} "
+    what = "pipeline (train.py): " if row.get("mode") == "pipeline" else ""
+    loss = f" loss={row['loss']}" if row.get("loss", "torch") != "torch" else ""
+    lines = [f"{what}{row['model']} {row['batch']}×{row['seq_len']}{micro} attention={row['attention']}{loss} "
              f"compile={row['compile']} {row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
              "", "| kernels | ms per step | share of kernel time |", "|---|---|---|"]
     total = row["categories"]["all kernels"]
@@ -205,7 +143,8 @@ def table(row: dict, top: int) -> str:
 def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
             r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"),
-            r.get("strategy", "ddp"), r.get("accumulation", 1), r.get("sharding_strategy"))
+            r.get("strategy", "ddp"), r.get("accumulation", 1), r.get("sharding_strategy"), r.get("mode", "bare"),
+            r.get("loss", "torch"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,6 +172,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="fsdp and fsdp2: the sharding_strategy of fsdp.yaml or fsdp2.yaml replaced")
     ap.add_argument("--nccl-protocol", choices=["LL", "LL128", "Simple"], default=None,
                     help="NCCL_PROTO (default: NCCL's choice per message size)")
+    ap.add_argument("--loss", choices=["torch", "fused"], default="torch",
+                    help="the loss both steps run (model/loss.py; conf/train.yaml's default is fused)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="profile `python train.py` with the same case (bench/pipeline_profiler.py) instead of the "
+                         "bare step; on several GPUs with --gpus N, Lightning starting the ranks")
+    ap.add_argument("--gpus", type=int, default=1, help="--pipeline's GPUs (trainer=--strategy when N > 1)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
     args = ap.parse_args(argv)
     overrides = parse_sets(args.set)
@@ -240,35 +185,44 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--micro-batches {args.micro_batches}: an optimizer step takes at least one")
     if not torch.cuda.is_available():
         raise SystemExit("bench/profile_step.py profiles CUDA kernels; no CUDA device here")
+    torchrun_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.pipeline and torchrun_world > 1:
+        raise SystemExit("--pipeline starts its own ranks: run it with python and --gpus N, not under torchrun")
+    if not args.pipeline and args.gpus != 1:
+        raise SystemExit("--gpus is --pipeline's: the bare step runs on torchrun's ranks (--nproc_per_node)")
 
     from bench.e2e import bare_step
     from flash_kernel import KERNEL_VERSION
     from model.distributed import set_sm_carveout
 
-    set_sm_carveout(args.sm_carveout)
     if args.nccl_protocol:
-        os.environ["NCCL_PROTO"] = args.nccl_protocol  # read when the communicator starts
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+        os.environ["NCCL_PROTO"] = args.nccl_protocol  # read when the communicator starts (train.py's ranks inherit it)
+    world = args.gpus if args.pipeline else torchrun_world
     wrap, fsdp = None, world > 1 and args.strategy != "ddp"
     if fsdp and (args.reduce_dtype != "fp32" or args.sm_carveout or args.hook != "average"):
         conf = STRATEGY_FILES[args.strategy]
         raise SystemExit(f"--strategy {args.strategy} takes conf/trainer/strategy/{conf}.yaml's settings: no "
                          "--reduce-dtype, --sm-carveout or --hook")
     if args.sharding_strategy and not fsdp:
-        raise SystemExit("--sharding-strategy is FSDP's: run under torchrun with --strategy fsdp or fsdp2")
+        raise SystemExit("--sharding-strategy is FSDP's: --strategy fsdp or fsdp2 on several GPUs (under torchrun, "
+                         "or --pipeline --gpus N)")
     sharding = {"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}
-    if world > 1:  # the pipeline's DDP or FSDP (bench/strategies.py) in torchrun's process group
-        local = join_torchrun_group()
-        ddp = {"reduce_dtype": args.reduce_dtype, "sm_carveout": args.sm_carveout, "comm_hook": args.hook}
-        wrap = wrap_for(args.strategy, local, sharding if fsdp else ddp)
+    ddp = {"reduce_dtype": args.reduce_dtype, "sm_carveout": args.sm_carveout, "comm_hook": args.hook}
     batch = max(1, args.tokens_per_step // args.seq_len)
-    step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, wrap=wrap,
-                        accumulation=args.micro_batches, **overrides)
-    kernels, wall_ms, events = profile(step, args.warmup, args.steps)
-    if world > 1:
-        torch.distributed.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return
+    if args.pipeline:
+        settings = (sharding if fsdp else ddp) if world > 1 else {}
+        summary = profile_pipeline(args, batch, world, tuple(f"{k}={v}" for k, v in settings.items()))
+    else:
+        set_sm_carveout(args.sm_carveout)
+        if world > 1:  # the pipeline's DDP, FSDP or FSDP2 (bench/strategies.py) in torchrun's process group
+            wrap = wrap_for(args.strategy, join_torchrun_group(), sharding if fsdp else ddp)
+        step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, loss=args.loss, wrap=wrap,
+                            accumulation=args.micro_batches, **overrides)
+        summary = profile(step, args.warmup, args.steps, world)
+        if world > 1:
+            torch.distributed.destroy_process_group()
+            if int(os.environ["RANK"]) != 0:
+                return
     row = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
         "model": args.model, "seq_len": args.seq_len, "batch": batch,
@@ -278,12 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         "sm_carveout": args.sm_carveout,
         **({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {}),
         **({"world_size": world, "strategy": args.strategy, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
-            "nccl_protocol": os.environ.get("NCCL_PROTO"),
-            "overlap": communication_overlap([e for e in events if e["cat"] == "kernel"], args.steps)}
-           if world > 1 else {}),
-        "timeline": gpu_timeline(events, args.steps),
-        "wall_ms_per_step": wall_ms, "categories": summarize(kernels),
-        "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:KEEP_KERNELS]),
+            "nccl_protocol": os.environ.get("NCCL_PROTO")} if world > 1 else {}),
+        **({"mode": "pipeline"} if args.pipeline else {}), **({"loss": args.loss} if args.loss != "torch" else {}),
+        **summary,
     }
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     rows = [r for r in rows if _key(r) != _key(row)] + [row]

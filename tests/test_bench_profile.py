@@ -1,4 +1,5 @@
-"""bench/profile_step.py's bookkeeping on CPU: kernel names land in the right category, --set parses."""
+"""bench/profile_step.py's and bench/trace.py's bookkeeping on CPU: kernel names land in the right category, --set
+parses, the pipeline's profiler covers the steps it is asked for."""
 
 import importlib.util
 import json
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from bench import trace
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("bench_profile_step", REPO / "bench" / "profile_step.py")
@@ -40,11 +43,11 @@ KERNELS = {
 
 @pytest.mark.parametrize("name, want", KERNELS.items())
 def test_category(name, want):
-    assert profile_step.category(name) == want
+    assert trace.category(name) == want
 
 
 def test_summarize_sums_by_category_and_in_total():
-    cats = profile_step.summarize({"nvjet_a": 2.0, "nvjet_b": 3.0, "triton_poi_fused_add_gelu_3": 1.5, "Memset": 0.5})
+    cats = trace.summarize({"nvjet_a": 2.0, "nvjet_b": 3.0, "triton_poi_fused_add_gelu_3": 1.5, "Memset": 0.5})
     assert cats == {"matmul": 5.0, "GELU": 1.5, "other": 0.5, "all kernels": 7.0}
     assert list(cats)[:3] == ["matmul", "GELU", "other"]  # largest first
 
@@ -58,7 +61,7 @@ def test_set_values_parse_and_errors_name_the_flag():
 
 def test_table_shows_shares_and_largest_kernels():
     row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash", "compile": False,
-           "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0, "Memset": 2.0}),
+           "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0, "Memset": 2.0}),
            "kernels": {"nvjet_a": 6.0, "Memset": 2.0}}
     md = profile_step.table(row, top=1)
     assert "| matmul | 6.0 | 75.0% |" in md and "| all kernels | 8.0 | 100.0% |" in md
@@ -67,7 +70,7 @@ def test_table_shows_shares_and_largest_kernels():
 
 def test_table_names_the_strategy_and_the_all_reduce_of_a_multi_gpu_row():
     base = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
-            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0}),
+            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
             "kernels": {"nvjet_a": 6.0}, "world_size": 2, "reduce_dtype": "fp32", "nccl_protocol": None}
     heading = {name: profile_step.table({**base, **fields}, top=1).splitlines()[0]
                for name, fields in (("ddp", {"hook": "average"}), ("copy", {"hook": "copy_engine"}),
@@ -94,22 +97,22 @@ def test_communication_overlap_counts_nccl_time_and_the_part_no_kernel_hides():
         {"name": "flash::flash_bwd_hopper_kernel", "ts": 5.0, "dur": 3.0, "args": {"grid": [64, 16, 2]}},
         {"name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 20.0, "dur": 4.0, "args": {"grid": [16, 1, 1]}},
     ]
-    o = profile_step.communication_overlap(kernels, steps=2)
+    o = trace.communication_overlap(kernels, steps=2)
     assert o["nccl_ms"] == pytest.approx(14e-3 / 2)  # the union: 10 + 4 µs
     assert o["exposed_ms"] == pytest.approx(8e-3 / 2)  # 0-2, 8-10 and 20-24 µs
     assert o["nccl_ctas"] == 16
-    assert profile_step.communication_overlap(kernels[2:4], steps=1) == {"nccl_ms": 0, "exposed_ms": 0, "nccl_ctas": 0}
+    assert trace.communication_overlap(kernels[2:4], steps=1) == {"nccl_ms": 0, "exposed_ms": 0, "nccl_ctas": 0}
 
 
 def test_gpu_timeline_spans_first_to_last_event_and_counts_the_gaps():
     """Two steps: kernels over 0-4 and 3-6 µs, a memset over 8-9, a kernel over 12-20: a span of 20 µs with the
     GPU idle over 6-8 and 9-12."""
     events = [{"ts": 0.0, "dur": 4.0}, {"ts": 3.0, "dur": 3.0}, {"ts": 8.0, "dur": 1.0}, {"ts": 12.0, "dur": 8.0}]
-    t = profile_step.gpu_timeline(events, steps=2)
+    t = trace.gpu_timeline(events, steps=2)
     assert t["span_ms"] == pytest.approx(20e-3 / 2) and t["idle_ms"] == pytest.approx(5e-3 / 2)
-    assert profile_step.gpu_timeline([], steps=1) == {"span_ms": 0.0, "idle_ms": 0.0}
+    assert trace.gpu_timeline([], steps=1) == {"span_ms": 0.0, "idle_ms": 0.0}
     row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash",
-           "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0}),
+           "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
            "kernels": {"nvjet_a": 6.0}, "timeline": {"span_ms": 9.5, "idle_ms": 3.5}}
     assert "9.5 ms per step from the first kernel to the last, 3.5 ms of it with nothing running" in \
         profile_step.table(row, top=1)
@@ -117,7 +120,7 @@ def test_gpu_timeline_spans_first_to_last_event_and_counts_the_gaps():
 
 def test_an_accumulated_row_is_its_own_case_and_says_so(monkeypatch):
     base = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
-            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": profile_step.summarize({"nvjet_a": 6.0}),
+            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
             "kernels": {"nvjet_a": 6.0}}
     accumulated = {**base, "accumulation": 8}
     assert profile_step._key(base) != profile_step._key(accumulated)
@@ -145,3 +148,87 @@ def test_the_fsdp2_step_accumulates_on_two_gpus(tmp_path, sharding):
     assert (row["strategy"], row["sharding_strategy"], row["accumulation"]) == ("fsdp2", sharding, 2)
     assert row["wall_ms_per_step"] > 0
     assert row["categories"]["attention"] > 0 and row["categories"]["communication"] > 0
+
+
+@pytest.mark.slow
+def test_the_pipeline_profiler_covers_the_steps_it_is_asked_for(data_cache, tmp_path):
+    """PipelineProfiler in a CPU run of train.py, two micro-batches per optimizer step: it profiles optimizer steps
+    2-4 (after two untimed ones), all six of their micro-batches, and writes the summary bench/trace.py makes
+    of the bare step (no CUDA kernels on a CPU: the categories sum to zero)."""
+    import train as train_mod
+    from run_overrides import compose_train, tiny_run_overrides
+
+    out = tmp_path / "profile.json"
+    callback = "+callbacks.pipeline_profiler"
+    profiler = (f"{callback}._target_=bench.pipeline_profiler.PipelineProfiler", f"{callback}.out={out}",
+                f"{callback}.warmup=2", f"{callback}.steps=3")
+    cfg = compose_train(*tiny_run_overrides(data_cache, tmp_path / "run", "trainer=cpu", "global_batch_tokens=512",
+                                            "trainer.max_steps=6", *profiler))
+    train_mod.train(cfg)
+    summary = json.loads(out.read_text())
+    assert (summary["first_step"], summary["last_step"], summary["micro_batches"]) == (2, 4, 6)
+    assert summary["wall_ms_per_step"] > 0 and summary["categories"] == {"all kernels": 0}
+    assert set(summary) >= {"timeline", "kernels"} and "overlap" not in summary  # one rank: no NCCL to overlap
+
+
+def test_pipeline_mode_launches_train_with_the_profiler_and_keys_its_row(monkeypatch, tmp_path):
+    """--pipeline --gpus 2: `python train.py` with trainer=fsdp2 on two GPUs, the sharding as a strategy setting, and
+    PipelineProfiler over the asked steps; its summary becomes a row of its own beside the bare step's."""
+    import bench.e2e as e2e
+
+    launched = []
+
+    def launch_train(overrides, run_dir):
+        launched.append(overrides)
+        out = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("+callbacks.pipeline_profiler.out=")))
+        run_dir.mkdir(parents=True, exist_ok=True)  # as launch_train makes it
+        out.write_text(json.dumps({"first_step": 2, "last_step": 4, "micro_batches": 6, "wall_ms_per_step": 9.0,
+                                         "timeline": {"span_ms": 8.0, "idle_ms": 1.0},
+                                         "categories": trace.summarize({"nvjet_a": 6.0}), "kernels": {"nvjet_a": 6.0}}))
+        return {}
+
+    monkeypatch.setattr(e2e, "launch_train", launch_train)
+    monkeypatch.setattr(profile_step, "PIPELINE_OUT", tmp_path / "run")
+    monkeypatch.setattr(profile_step.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profile_step.torch.cuda, "get_device_name", lambda *a: "GPU X")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "profile.json"
+    case = ["--model", "gpt-tiny", "--seq-len", "256", "--tokens-per-step", "1024", "--micro-batches", "2",
+            "--warmup", "2", "--steps", "3", "--strategy", "fsdp2", "--sharding-strategy", "FULL_SHARD"]
+    profile_step.main([*case, "--pipeline", "--gpus", "2", "--out", str(out)])
+    (overrides,) = launched
+    assert {"trainer=fsdp2", "trainer.devices=2", "trainer.strategy.sharding_strategy=FULL_SHARD",
+            "global_batch_tokens=4096", "trainer.max_steps=5"} <= set(overrides)
+    cfg = e2e._compose([o for o in overrides if not o.startswith("trainer.devices")])
+    profiler = cfg.callbacks.pipeline_profiler
+    assert (profiler._target_, profiler.warmup, profiler.steps) == ("bench.pipeline_profiler.PipelineProfiler", 2, 3)
+    (row,) = json.loads(out.read_text())
+    assert (row["mode"], row["world_size"], row["strategy"], row["wall_ms_per_step"]) == ("pipeline", 2, "fsdp2", 9.0)
+    assert profile_step.table(row, top=1).startswith("pipeline (train.py): gpt-tiny 4×256 × 2 micro-batches")
+    assert profile_step._key(row) != profile_step._key({**row, "mode": "bare"})
+
+    with pytest.raises(SystemExit, match="--gpus is --pipeline's"):
+        profile_step.main([*case, "--gpus", "2"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="--pipeline starts its own ranks"):
+        profile_step.main([*case, "--pipeline"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pipeline's profile: needs a CUDA GPU")
+@pytest.mark.skipif(not (REPO / ".cache" / "data").is_dir(), reason="the pipeline trains on `make data`'s cache")
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="the pipeline on 2 GPUs: needs 2 CUDA GPUs"))])
+def test_the_pipeline_profile_runs_on_gpus(tmp_path, gpus):
+    """`profile_step.py --pipeline`: train.py on one GPU, and on two in FSDP2, two micro-batches a step; the
+    profile holds the attention kernels and, on two GPUs, NCCL's."""
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, str(REPO / "bench" / "profile_step.py"), "--pipeline", "--gpus", str(gpus),
+           "--strategy", "fsdp2", "--model", "gpt-tiny", "--set", "n_head=2", "--seq-len", "256",
+           "--tokens-per-step", "1024", "--micro-batches", "2", "--warmup", "2", "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["mode"], row["micro_batches"], row["first_step"], row["last_step"]) == ("pipeline", 4, 2, 3)
+    assert row["wall_ms_per_step"] > 0 and row["categories"]["attention"] > 0
+    assert (row["categories"].get("communication", 0) > 0) == (gpus == 2)
