@@ -108,10 +108,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             yield
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        from recipe.checkpoint_files import verify_checkpoint
+        from recipe.checkpoint_files import verify_or_warn
 
         if not Path(checkpoint_path).is_dir():  # a full checkpoint: its checksum, before torch.load reads it
-            verify_checkpoint(checkpoint_path)
+            verify_or_warn(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 

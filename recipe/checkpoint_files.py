@@ -122,6 +122,14 @@ def refuse(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"cannot resume from ckpt_path={path}: {what}; {instead}")
 
 
+def verify_or_warn(path: str | os.PathLike) -> None:
+    """verify_checkpoint, with a warning (from rank 0) where the file has no checksum to verify against."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    if not verify_checkpoint(path):
+        rank_zero_warn(f"{path} has no {checksum_path(path).name} beside it: loading it unverified")
+
+
 def verify_checkpoint(path: str | os.PathLike) -> bool:
     """Raise CheckpointError unless `path` is a file whose sha256 is listed in its checksum file. A file
     without a checksum file (written elsewhere) passes unverified: returns whether it was verified."""

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_warn
 
-from recipe.checkpoint_files import atomic_save, checksum_path, refuse, verify_checkpoint
+from recipe.checkpoint_files import atomic_save, checksum_path, refuse, verify_or_warn
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):
@@ -24,8 +23,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         atomic_save(checkpoint, path)
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None):
-        if not verify_checkpoint(path):
-            rank_zero_warn(f"{path} has no {checksum_path(path).name} beside it: loading it unverified")
+        verify_or_warn(path)
         try:
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         except Exception as err:

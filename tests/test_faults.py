@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 import train as train_mod
 from model.checkpoint import CheckpointModelMismatch
 from model.lit_gpt import LitGPT, NonFiniteLossError, ResumeError
-from recipe.checkpoint_files import CheckpointError, atomic_save, checksum_path, verify_checkpoint
+from recipe.checkpoint_files import CheckpointError, atomic_save, checksum_path, verify_checkpoint, verify_or_warn
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY = 8, 4
@@ -157,6 +157,25 @@ def test_a_bad_checkpoint_is_one_clear_error_and_the_good_last_ckpt_survives(ref
 
 
 # ---------------------------------------------------------------------------------------- bad shards
+def test_a_checkpoint_without_its_checksum_loads_with_a_warning_and_a_changed_one_not_at_all(tmp_path):
+    """recipe/checkpoint_files.verify_or_warn, which every single-file load runs first (VerifiedCheckpointIO, and
+    trainer=fsdp2's full checkpoints): a file written elsewhere passes with a warning naming the missing checksum
+    file; one of ours passes silently; one changed after it was written is refused."""
+    import warnings
+
+    elsewhere, ours = tmp_path / "elsewhere.ckpt", tmp_path / "ours.ckpt"
+    torch.save({"step": 1}, elsewhere)
+    atomic_save({"step": 1}, ours)
+    with pytest.warns(UserWarning, match="has no elsewhere.ckpt.sha256 beside it: loading it unverified"):
+        verify_or_warn(elsewhere)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        verify_or_warn(ours)
+    ours.write_bytes(ours.read_bytes() + b"\0")
+    with pytest.raises(CheckpointError, match="its bytes do not match"):
+        verify_or_warn(ours)
+
+
 def test_damaged_shards_are_refused_or_rebuilt(reference, tmp_path):
     """A shard overwritten at its own size is refused before the first step, naming the file; a truncated
     one is rebuilt by the next run, which then trains."""
