@@ -74,8 +74,8 @@ def accumulating(gpt: torch.nn.Module) -> Iterator[None]:
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy as data parallelism alone (every rank one shard of a 1-D mesh, no tensor
-    parallelism), sharding LitGPT's GPT itself (shard_gpt) before Lightning sets the optimizer up, and accumulating
+    """Lightning's ModelParallelStrategy as data parallelism alone (the whole world on its mesh's data-parallel
+    dimension, tensor parallelism 1), sharding LitGPT's GPT itself (shard_gpt) before Lightning sets the optimizer up, and accumulating
     micro-batches without a reduce-scatter (accumulating). state_dict_type sharded writes a directory of shards
     (torch.distributed.checkpoint, with meta.pt); full gathers one file on rank 0, written and verified like every
     other single-file checkpoint (recipe/checkpoint_io.py)."""
@@ -121,7 +121,6 @@ def fsdp2_strategy(sharding_strategy: str = "SHARD_GRAD_OP", state_dict_type: st
     """FSDP2Strategy from conf/trainer/strategy/fsdp2.yaml's keys. Under bf16-mixed the weights are gathered in
     param_dtype (autocast computes in bf16 anyway) and the gradients reduce-scattered and accumulated in
     reduce_dtype; other precisions keep the parameters' own dtype for both."""
-    mixed = precision == "bf16-mixed"
-    return FSDP2Strategy(sharding_strategy, state_dict_type,
-                         param_dtype=setting_dtype("param_dtype", param_dtype) if mixed else None,
-                         reduce_dtype=setting_dtype("reduce_dtype", reduce_dtype) if mixed else None, **kwargs)
+    dtypes = setting_dtype("param_dtype", param_dtype), setting_dtype("reduce_dtype", reduce_dtype)  # checked always
+    param, reduce = dtypes if precision == "bf16-mixed" else (None, None)
+    return FSDP2Strategy(sharding_strategy, state_dict_type, param_dtype=param, reduce_dtype=reduce, **kwargs)

@@ -99,6 +99,9 @@ def test_fsdp2_strategy_takes_its_settings_and_refuses_bad_ones():
                               ("reduce_dtype", "fp16", "reduce_dtype='fp16': use one of fp32, bf16")):
         with pytest.raises(Exception, match=match):
             instantiate(compose_train("trainer=fsdp2", f"trainer.strategy.{key}={value}").trainer.strategy)
+    with pytest.raises(Exception, match="param_dtype='fp8'"):  # refused under any precision, not only where it is used
+        instantiate(compose_train("trainer=fsdp2", "trainer.precision=32-true",
+                                  "trainer.strategy.param_dtype=fp8").trainer.strategy)
 
 
 def test_cpu_trainer_instantiates():
