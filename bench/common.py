@@ -27,10 +27,15 @@ def merge_rows(old: list[dict], new: list[dict], key: Callable[[dict], tuple],
     return sorted(rows, key=order) if order else rows
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The JSON list of result rows at `path`; none yet: an empty one."""
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
 def merge_file(path: Path, new: list[dict], key: Callable[[dict], tuple],
-               order: Callable[[dict], tuple] | None = None) -> list[dict]:
-    """merge_rows on the JSON list at `path` (none yet: an empty one), written back; returns the rows."""
-    rows = merge_rows(json.loads(path.read_text()) if path.is_file() else [], new, key, order)
+               order: Callable[[dict], tuple] | None = None, old: list[dict] | None = None) -> list[dict]:
+    """merge_rows on the JSON list at `path` (or `old`, its rows already read), written back; returns the rows."""
+    rows = merge_rows(read_rows(path) if old is None else old, new, key, order)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=1) + "\n")
     return rows

@@ -68,7 +68,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import can_plot, device_slug, merge_file, parse_sets, rates, seconds_per_call  # noqa: E402
+from bench.common import (can_plot, device_slug, merge_file, parse_sets, rates, read_rows,  # noqa: E402
+                          seconds_per_call)
 from bench.launchers import gpu_info  # noqa: E402
 from bench.strategies import backward_sync, check_settings, shards_gradients, wrap_for  # noqa: E402
 from flash_kernel import KERNEL_VERSION  # noqa: E402
@@ -261,8 +262,7 @@ def run_bare_multi(model: str, seq_len: int, batch: int, attention: str, compile
                    sets: tuple[str, ...] = (), strategy_sets: tuple[str, ...] = (), timeout: float = 900) -> dict:
     """The bare loop on `gpus` GPUs: `torchrun --standalone --nproc_per_node=gpus bench/e2e.py --bare-rank SPEC`,
     each rank running bare_step in the pipeline's DDP, FSDP or FSDP2 (bench/strategies.py) with `strategy_sets`'
-    settings;
-    rank 0's rates, per GPU."""
+    settings; rank 0's rates, per GPU."""
     spec = {"model": model, "seq_len": seq_len, "batch": batch, "attention": attention, "compile": compile,
             "warmup": warmup, "steps": steps, "strategy": strategy, "loss": loss, "accumulation": accumulation,
             "sets": list(sets), "strategy_sets": list(strategy_sets)}
@@ -441,10 +441,10 @@ def anchor_one_gpu(new: list[dict], old: list[dict]) -> list[dict]:
 
 
 def merge(path: Path, new: list[dict]) -> list[dict]:
-    new = anchor_one_gpu(new, json.loads(path.read_text()) if path.is_file() else [])
-    return merge_file(path, new, _key, order=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"],
-                                                        _accumulation(r), _attention(r), r["compile"], _gpus(r),
-                                                        r["mode"]))
+    old = read_rows(path)
+    return merge_file(path, anchor_one_gpu(new, old), _key, old=old,
+                      order=lambda r: (r["device"], r["model"], r["seq_len"], -r["batch"], _accumulation(r),
+                                       _attention(r), r["compile"], _gpus(r), r["mode"]))
 
 
 def _fmt(r: dict | None, field: str, scale: float = 1.0, digits: int = 0) -> str:
@@ -484,10 +484,12 @@ def table(rows: list[dict]) -> str:
         # older bare loop (rows written before the "run" field have none, and pair as they were measured).
         if p and b and p["status"] == b["status"] == "ok" and p.get("run") == b.get("run"):
             ratio = f"{p['tokens_per_s'] / b['tokens_per_s']:.3f}"
-        if gpus > 1 and p and p["status"] == "ok" and _one_gpu_rate(p, one):
-            scaling = f"{p['tokens_per_s'] / _one_gpu_rate(p, one):.3f}"
-            if b and b["status"] == "ok" and _one_gpu_rate(b, one_bare):  # the bare loop's own scaling beside it
-                scaling += f"; bare {b['tokens_per_s'] / _one_gpu_rate(b, one_bare):.3f}"
+        base = p and p["status"] == "ok" and _one_gpu_rate(p, one)
+        if gpus > 1 and base:
+            scaling = f"{p['tokens_per_s'] / base:.3f}"
+            base_bare = b and b["status"] == "ok" and _one_gpu_rate(b, one_bare)
+            if base_bare:  # the bare loop's own scaling beside it
+                scaling += f"; bare {b['tokens_per_s'] / base_bare:.3f}"
         paper = FA2_PAPER_A100.get((model, T), "–") if attn.startswith("flash") else "–"
         lines.append(
             f"| {dev} | {model} | {T} | {_batch(B, K)} | {attn} | {'yes' if comp else 'no'} | {_gpus_cell(p or b)} | "

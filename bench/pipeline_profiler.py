@@ -2,7 +2,7 @@
 profiles its bare step, so that the two sum up alike (bench/trace.py) and a gap between the pipeline's rate and the
 bare loop's shows where it goes: slower kernels, more kernels, or a GPU left idle by the host.
 
-bench/profile_step.py --pipeline adds it to a run as `+callbacks.pipeline_profiler=...`; every rank profiles, rank 0
+bench/profile_step.py --pipeline adds it to a run with `overrides`; every rank profiles, rank 0
 writes `out` (JSON): bench/trace.step_summary's fields, the optimizer steps it covered and the micro-batches in them.
 """
 
@@ -15,6 +15,13 @@ from typing import Any
 
 import lightning as L
 import torch
+
+
+def overrides(out: str | Path, warmup: int, steps: int) -> list[str]:
+    """train.py's Hydra overrides that add a PipelineProfiler writing `out`."""
+    key = "+callbacks.pipeline_profiler"
+    return [f"{key}._target_=bench.pipeline_profiler.PipelineProfiler", f"{key}.out={out}", f"{key}.warmup={warmup}",
+            f"{key}.steps={steps}"]
 
 
 class PipelineProfiler(L.Callback):
@@ -35,7 +42,8 @@ class PipelineProfiler(L.Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self._prof is None and not self.done and trainer.global_step == self.warmup:
             from torch.profiler import ProfilerActivity
 

@@ -55,7 +55,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import join_torchrun_group, parse_sets  # noqa: E402
+from bench.common import join_torchrun_group, merge_file, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
 from bench.trace import step_summary  # noqa: E402
@@ -85,16 +85,15 @@ def profile_pipeline(args: argparse.Namespace, batch: int, world: int, strategy_
     PipelineProfiler over --steps optimizer steps after --warmup; returns its summary (bench/trace.step_summary's
     fields, and the steps and micro-batches it covered)."""
     from bench.e2e import _overrides, launch_train
+    from bench.pipeline_profiler import overrides as profiler
 
     out = PIPELINE_OUT / "profile.json"
     out.unlink(missing_ok=True)
-    callback = "+callbacks.pipeline_profiler"
     overrides = [*_overrides(args.model, args.seq_len, batch, args.attention, args.compile, args.warmup + args.steps,
                              args.warmup, trainer=args.strategy if world > 1 else "gpu", loss=args.loss,
                              accumulation=args.micro_batches, gpus=world, sets=tuple(args.set),
                              strategy_sets=strategy_sets),
-                 f"trainer.devices={world}", f"{callback}._target_=bench.pipeline_profiler.PipelineProfiler",
-                 f"{callback}.out={out}", f"{callback}.warmup={args.warmup}", f"{callback}.steps={args.steps}"]
+                 f"trainer.devices={world}", *profiler(out, args.warmup, args.steps)]
     launch_train(overrides, PIPELINE_OUT)
     if not out.is_file():
         raise SystemExit(f"train.py ended without its profile ({out}); its output: {PIPELINE_OUT / 'train.log'}")
@@ -236,10 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         **({"mode": "pipeline"} if args.pipeline else {}), **({"loss": args.loss} if args.loss != "torch" else {}),
         **summary,
     }
-    rows = json.loads(args.out.read_text()) if args.out.is_file() else []
-    rows = [r for r in rows if _key(r) != _key(row)] + [row]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    merge_file(args.out, [row], _key)
     print(table(row, args.top))
 
 

@@ -127,22 +127,21 @@ def fsdp_wrap(local_rank: int, overrides: dict | None = None):
 
 
 def fsdp2_wrap(device_type: str = "cuda", overrides: dict | None = None):
-    """A function that shards the GPT with FSDP2 as trainer=fsdp2 does under bf16-mixed (model/fsdp2.py shard_gpt:
-    one unit per Block, one for the rest) in fsdp2.yaml's settings, `overrides` of the same keys on top. Call it
-    inside the process group."""
+    """A function that shards the GPT with FSDP2 as trainer=fsdp2 does under bf16-mixed: the pipeline's own
+    FSDP2Strategy (model/fsdp2.py fsdp2_strategy with fsdp2.yaml's settings, `overrides` of the same keys on top)
+    gives the sharding and dtypes shard_gpt takes (one unit per Block, one for the rest). Call it inside the
+    process group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from model.distributed import setting_dtype
-    from model.fsdp2 import check_sharding, shard_gpt
+    from model.fsdp2 import fsdp2_strategy, shard_gpt
 
-    settings = {**strategy_settings("fsdp2", FSDP2_KWARGS), **(overrides or {})}
-    check_sharding(settings["sharding_strategy"])
-    param_dtype, reduce_dtype = (setting_dtype(key, settings[key]) for key in ("param_dtype", "reduce_dtype"))
+    pipeline = fsdp2_strategy(precision="bf16-mixed",
+                              **{**strategy_settings("fsdp2", FSDP2_KWARGS), **(overrides or {})})
 
     def wrap(gpt: torch.nn.Module) -> torch.nn.Module:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        return shard_gpt(gpt, mesh, settings["sharding_strategy"], param_dtype, reduce_dtype)
+        return shard_gpt(gpt, mesh, pipeline.sharding_strategy, pipeline.param_dtype, pipeline.reduce_dtype)
 
     return wrap
 

@@ -75,10 +75,10 @@ def accumulating(gpt: torch.nn.Module) -> Iterator[None]:
 
 class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy as data parallelism alone (the whole world on its mesh's data-parallel
-    dimension, tensor parallelism 1), sharding LitGPT's GPT itself (shard_gpt) before Lightning sets the optimizer up, and accumulating
-    micro-batches without a reduce-scatter (accumulating). state_dict_type sharded writes a directory of shards
-    (torch.distributed.checkpoint, with meta.pt); full gathers one file on rank 0, written and verified like every
-    other single-file checkpoint (recipe/checkpoint_io.py)."""
+    dimension, tensor parallelism 1), sharding LitGPT's GPT itself (shard_gpt) before Lightning sets the optimizer
+    up, and accumulating micro-batches without a reduce-scatter (accumulating). state_dict_type sharded writes a
+    directory of shards (torch.distributed.checkpoint, with meta.pt); full gathers one file on rank 0, written and
+    verified like every other single-file checkpoint (recipe/checkpoint_io.py)."""
 
     def __init__(self, sharding_strategy: str = "SHARD_GRAD_OP", state_dict_type: str = "sharded",
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,

@@ -156,14 +156,12 @@ def test_the_pipeline_profiler_covers_the_steps_it_is_asked_for(data_cache, tmp_
     2-4 (after two untimed ones), all six of their micro-batches, and writes the summary bench/trace.py makes
     of the bare step (no CUDA kernels on a CPU: the categories sum to zero)."""
     import train as train_mod
+    from bench.pipeline_profiler import overrides as profiler
     from run_overrides import compose_train, tiny_run_overrides
 
     out = tmp_path / "profile.json"
-    callback = "+callbacks.pipeline_profiler"
-    profiler = (f"{callback}._target_=bench.pipeline_profiler.PipelineProfiler", f"{callback}.out={out}",
-                f"{callback}.warmup=2", f"{callback}.steps=3")
     cfg = compose_train(*tiny_run_overrides(data_cache, tmp_path / "run", "trainer=cpu", "global_batch_tokens=512",
-                                            "trainer.max_steps=6", *profiler))
+                                            "trainer.max_steps=6", *profiler(out, warmup=2, steps=3)))
     train_mod.train(cfg)
     summary = json.loads(out.read_text())
     assert (summary["first_step"], summary["last_step"], summary["micro_batches"]) == (2, 4, 6)

@@ -81,7 +81,8 @@ def test_the_bare_loops_fsdp_takes_the_pipelines_arguments(monkeypatch):
     assert strategies.fsdp_wrap(3)(gpt) is gpt
     assert seen["device_id"] == 3 and seen["use_orig_params"] is True
     assert seen["auto_wrap_policy"]._module_classes == {Block}
-    assert (seen["mixed_precision"].param_dtype, seen["mixed_precision"].reduce_dtype) == (torch.bfloat16, torch.float32)
+    mixed = seen["mixed_precision"]
+    assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert seen["sharding_strategy"] == fsdp.ShardingStrategy.FULL_SHARD
     assert seen["backward_prefetch"] == fsdp.BackwardPrefetch.BACKWARD_PRE
     assert (seen["forward_prefetch"], seen["limit_all_gathers"]) == (True, False)
