@@ -16,24 +16,29 @@ from typing import Any
 import lightning as L
 import torch
 
+from bench.trace import GcPauses, gpu_events, step_summary, write_gpu_trace
 
-def overrides(out: str | Path, warmup: int, steps: int) -> list[str]:
+
+def overrides(out: str | Path, warmup: int, steps: int, host: bool = False,
+              trace: str | Path | None = None) -> list[str]:
     """train.py's Hydra overrides that add a PipelineProfiler writing `out`."""
     key = "+callbacks.pipeline_profiler"
     return [f"{key}._target_=bench.pipeline_profiler.PipelineProfiler", f"{key}.out={out}", f"{key}.warmup={warmup}",
-            f"{key}.steps={steps}"]
+            f"{key}.steps={steps}", f"{key}.host={str(host).lower()}", *([f"{key}.trace={trace}"] if trace else [])]
 
 
 class PipelineProfiler(L.Callback):
-    """torch.profiler (CUDA kernels) over optimizer steps warmup .. warmup + steps - 1, from the first micro-batch of
-    the first to the optimizer step of the last, the GPU synchronized at both ends. The wall time per step includes
-    the profiler's own overhead, as bench/profile_step.py's bare step's does."""
+    """torch.profiler (CUDA kernels; with `host` the host's ops too) over optimizer steps warmup .. warmup + steps - 1,
+    from the first micro-batch of the first to the optimizer step of the last, the GPU synchronized at both ends. The
+    wall time per step includes the profiler's own overhead, as bench/profile_step.py's bare step's does."""
 
-    def __init__(self, out: str, warmup: int, steps: int) -> None:
+    def __init__(self, out: str, warmup: int, steps: int, host: bool = False, trace: str | None = None) -> None:
         if warmup < 1 or steps < 1:
             raise ValueError(f"PipelineProfiler: warmup={warmup} and steps={steps} must be at least 1")
-        self.out, self.warmup, self.steps = Path(out), warmup, steps
+        self.out, self.warmup, self.steps, self.host = Path(out), warmup, steps, host
+        self.trace = Path(trace) if trace else None  # every rank's GPU events, rank<N>.json.gz (bench/trace.py)
         self._prof: Any = None
+        self._gc = GcPauses()
         self._t0 = 0.0
         self._micro_batches = 0
         self.done = False
@@ -49,8 +54,12 @@ class PipelineProfiler(L.Callback):
 
             self._sync(trainer)
             on_gpu = trainer.strategy.root_device.type == "cuda"  # a CPU run records its ops, and no kernel
-            self._prof = torch.profiler.profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU])
+            activities = [ProfilerActivity.CUDA] if on_gpu else []
+            if self.host or not on_gpu:
+                activities.append(ProfilerActivity.CPU)
+            self._prof = torch.profiler.profile(activities=activities)
             self._prof.__enter__()
+            self._gc = GcPauses().__enter__()
             self._t0 = time.perf_counter()
         if self._prof is not None:
             self._micro_batches += 1
@@ -63,11 +72,14 @@ class PipelineProfiler(L.Callback):
         wall_ms = (time.perf_counter() - self._t0) * 1e3 / self.steps
         self._prof.__exit__(None, None, None)
         prof, self._prof, self.done = self._prof, None, True
+        self._gc.__exit__(None, None, None)
+        trace = self.trace / f"rank{trainer.global_rank}.json.gz" if self.trace is not None else None
         if trainer.is_global_zero:
-            from bench.trace import step_summary
-
-            summary = step_summary(prof, self.steps, wall_ms, trainer.world_size)
+            summary = {**step_summary(prof, self.steps, wall_ms, trainer.world_size, self.host, trace),
+                       **self._gc.summary(self.steps)}
             covered = {"first_step": self.warmup, "last_step": trainer.global_step - 1,
                        "micro_batches": self._micro_batches}
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.out.write_text(json.dumps({**covered, **summary}, indent=1) + "\n")
+        elif trace is not None:
+            write_gpu_trace(gpu_events(prof), trace)

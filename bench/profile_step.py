@@ -35,9 +35,16 @@ a GPU left idle by the host. On several GPUs Lightning starts the ranks (trainer
     torchrun --standalone --nproc_per_node=2 bench/profile_step.py --strategy fsdp2 --seq-len 8192 --micro-batches 8 \\
         --loss fused                     # the bare step beside it
 
+--host records the host's ops too (where it waits on the GPU, e.g. `cudaStreamSynchronize`), --trace DIR keeps each
+rank's GPU events (DIR/rank<N>.json.gz, bench/trace.read_gpu_trace) to line the ranks' timelines up, and every
+profile counts Python's garbage collections and their pauses. --overrides passes train.py overrides to --pipeline:
+
+    python bench/profile_step.py --pipeline --gpus 2 --strategy fsdp2 --seq-len 8192 --micro-batches 8 --loss fused \\
+        --trace /tmp/tp --overrides '~callbacks.gc'    # the run without recipe/garbage_collection.py
+
 Rows merge into bench/results/profile.json, keyed by device and case (model, T, micro-batches, attention, loss,
-compile, --set, pipeline or bare step, and the world size, strategy, sharding, all-reduce, reduce dtype, carve-out
-and NCCL protocol).
+compile, --set, pipeline or bare step, --host, --overrides, and the world size, strategy, sharding, all-reduce,
+reduce dtype, carve-out and NCCL protocol).
 """
 
 from __future__ import annotations
@@ -58,26 +65,29 @@ sys.path.insert(0, str(REPO))
 from bench.common import join_torchrun_group, merge_file, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
-from bench.trace import step_summary  # noqa: E402
+from bench.trace import GcPauses, step_summary  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PIPELINE_OUT = RESULTS / "runs" / "profile_pipeline"  # the pipeline's run directory and its profiler's JSON
 
 
-def profile(step, warmup: int, steps: int, world: int = 1) -> dict:
-    """`warmup` steps, then `steps` steps under torch.profiler (CUDA kernels), summed up (bench/trace.step_summary)."""
+def profile(step, warmup: int, steps: int, world: int = 1, host: bool = False, trace: Path | None = None) -> dict:
+    """`warmup` steps, then `steps` steps under torch.profiler (CUDA kernels, and with `host` the host's ops), summed
+    up (bench/trace.step_summary); `trace`: a directory for this rank's GPU events (rank<N>.json.gz)."""
     from torch.profiler import ProfilerActivity
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
+    with torch.profiler.profile(activities=activities) as prof, GcPauses() as pauses:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    return step_summary(prof, steps, wall_ms, world)
+    rank_trace = trace / f"rank{os.environ.get('RANK', '0')}.json.gz" if trace is not None else None
+    return {**step_summary(prof, steps, wall_ms, world, host, rank_trace), **pauses.summary(steps)}
 
 
 def profile_pipeline(args: argparse.Namespace, batch: int, world: int, strategy_sets: tuple[str, ...]) -> dict:
@@ -93,7 +103,8 @@ def profile_pipeline(args: argparse.Namespace, batch: int, world: int, strategy_
                              args.warmup, trainer=args.strategy if world > 1 else "gpu", loss=args.loss,
                              accumulation=args.micro_batches, gpus=world, sets=tuple(args.set),
                              strategy_sets=strategy_sets),
-                 f"trainer.devices={world}", *profiler(out, args.warmup, args.steps)]
+                 f"trainer.devices={world}", *profiler(out, args.warmup, args.steps, args.host, args.trace),
+                 *args.overrides]
     launch_train(overrides, PIPELINE_OUT)
     if not out.is_file():
         raise SystemExit(f"train.py ended without its profile ({out}); its output: {PIPELINE_OUT / 'train.log'}")
@@ -116,7 +127,8 @@ def table(row: dict, top: int) -> str:
         where = f"{world} × {row['device']} (DDP, {row['reduce_dtype']} all-reduce{hook}{proto})"
     carveout = f" sm_carveout={row['sm_carveout']}" if row.get("sm_carveout") else ""
     micro = f" × {row['accumulation']} micro-batches" if row.get("accumulation", 1) > 1 else ""
-    what = "pipeline (train.py): " if row.get("mode") == "pipeline" else ""
+    launch = f"train.py {row['overrides']}" if row.get("overrides") else "train.py"
+    what = f"pipeline ({launch}): " if row.get("mode") == "pipeline" else ""
     loss = f" loss={row['loss']}" if row.get("loss", "torch") != "torch" else ""
     lines = [f"{what}{row['model']} {row['batch']}×{row['seq_len']}{micro} attention={row['attention']}{loss} "
              f"compile={row['compile']} {row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
@@ -132,6 +144,15 @@ def table(row: dict, top: int) -> str:
         o = row["overlap"]
         lines += ["", f"NCCL kernels run {o['nccl_ms']:.1f} ms per step on up to {o['nccl_ctas']} CTAs; "
                       f"{o['exposed_ms']:.1f} ms of it with no other kernel running (exposed)."]
+    if "gc" in row:
+        g = row["gc"]
+        per_gen = ", ".join(f"{n:g} of generation {gen}" for gen, n in g["collections_per_step"].items() if n)
+        lines += ["", f"Python's garbage collector: {g['ms_per_step']:.1f} ms per step ({per_gen or 'no collection'}); "
+                      f"the longest pause {g['longest_ms']:.1f} ms."]
+    if "host_ops" in row:
+        lines += ["", f"The host: {row['host_ms_in_ops']:.1f} ms per step inside recorded ops.", "",
+                  f"| host ops by self time (top {top}) | ms per step |", "|---|---|"]
+        lines += [f"| `{name.replace('|', '/')}` | {ms:.2f} |" for name, ms in list(row["host_ops"].items())[:top]]
     lines += ["", f"| largest kernels (top {top}) | ms per step |", "|---|---|"]
     for name, ms in sorted(row["kernels"].items(), key=lambda kv: -kv[1])[:top]:
         short = name if len(name) <= 110 else name[:107] + "..."
@@ -143,7 +164,7 @@ def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
             r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"),
             r.get("strategy", "ddp"), r.get("accumulation", 1), r.get("sharding_strategy"), r.get("mode", "bare"),
-            r.get("loss", "torch"))
+            r.get("loss", "torch"), r.get("host", False), r.get("overrides", ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,6 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pipeline", action="store_true",
                     help="profile `python train.py` with the same case (bench/pipeline_profiler.py) instead of the "
                          "bare step; on several GPUs with --gpus N, Lightning starting the ranks")
+    ap.add_argument("--host", action="store_true",
+                    help="record the host's ops too (CPU activity): its time inside ops and the largest of them; "
+                         "the profiler's overhead grows, so such rows are kept apart from the others")
+    ap.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                    help="keep every rank's GPU events of the profiled steps in DIR/rank<N>.json.gz "
+                         "(bench/trace.read_gpu_trace), to see when each rank's kernels and collectives ran")
+    ap.add_argument("--overrides", nargs="*", default=[], metavar="OVERRIDE",
+                    help="--pipeline: more of train.py's Hydra overrides, last (e.g. ~callbacks.gc); rows name them")
     ap.add_argument("--gpus", type=int, default=1, help="--pipeline's GPUs (trainer=--strategy when N > 1)")
     ap.add_argument("--out", type=Path, default=RESULTS / "profile.json")
     args = ap.parse_args(argv)
@@ -187,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     torchrun_world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.pipeline and torchrun_world > 1:
         raise SystemExit("--pipeline starts its own ranks: run it with python and --gpus N, not under torchrun")
+    if args.overrides and not args.pipeline:
+        raise SystemExit("--overrides are train.py's: they need --pipeline")
     if not args.pipeline and args.gpus != 1:
         raise SystemExit("--gpus is --pipeline's: the bare step runs on torchrun's ranks (--nproc_per_node)")
 
@@ -217,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             wrap = wrap_for(args.strategy, join_torchrun_group(), sharding if fsdp else ddp)
         step, _ = bare_step(args.model, args.seq_len, batch, args.attention, args.compile, loss=args.loss, wrap=wrap,
                             accumulation=args.micro_batches, **overrides)
-        summary = profile(step, args.warmup, args.steps, world)
+        summary = profile(step, args.warmup, args.steps, world, args.host, args.trace)
         if world > 1:
             torch.distributed.destroy_process_group()
             if int(os.environ["RANK"]) != 0:
@@ -233,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         **({"world_size": world, "strategy": args.strategy, "reduce_dtype": args.reduce_dtype, "hook": args.hook,
             "nccl_protocol": os.environ.get("NCCL_PROTO")} if world > 1 else {}),
         **({"mode": "pipeline"} if args.pipeline else {}), **({"loss": args.loss} if args.loss != "torch" else {}),
+        **({"host": True} if args.host else {}), **({"overrides": " ".join(args.overrides)} if args.overrides else {}),
         **summary,
     }
     merge_file(args.out, [row], _key)

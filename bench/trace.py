@@ -1,19 +1,25 @@
-"""Where a profiled training step's GPU time goes, from a finished torch.profiler: each CUDA kernel's time per step
-and by category, the GPU's idle gaps, and how NCCL's kernels meet compute. bench/profile_step.py's bare step and
-bench/pipeline_profiler.py's pipeline step are summed up alike, so that the two compare line by line."""
+"""Where a profiled training step's time goes, from a finished torch.profiler: each CUDA kernel's time per step and
+by category, the GPU's idle gaps, how NCCL's kernels meet compute, and where the host recorded its ops, their time;
+GcPauses times Python's garbage collections beside it, and write_gpu_trace keeps a rank's GPU events to compare
+timelines across ranks. bench/profile_step.py's bare step and bench/pipeline_profiler.py's pipeline step are summed
+up alike, so that the two compare line by line."""
 
 from __future__ import annotations
 
+import gc
+import gzip
 import json
 import math
 import re
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 KEEP_KERNELS = 40  # the JSON keeps this many of the largest kernels (the categories sum them all)
+KEEP_HOST_OPS = 25  # and with host ops recorded, this many of the host's largest ops by self time
 
 # First match wins, so the specific names come before the generic ones ("copy", "elementwise"). Inductor's
 # kernels carry the aten ops they fused in their names (triton_red_fused_native_layer_norm_...), so they fall
@@ -39,12 +45,22 @@ def category(kernel: str) -> str:
 
 
 def kernel_times(prof, steps: int) -> dict[str, float]:
-    """Milliseconds per step of each CUDA kernel name in a finished profiler."""
+    """Milliseconds per step of each CUDA kernel name in a finished profiler. The GPU ranges of annotations
+    (record_function: "Optimizer.step#AdamW.step", "nccl:_reduce_scatter_base"), which a profiler that records the
+    CPU puts on the GPU's timeline beside the kernels they span, are not kernels and are left out."""
     out: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
+        if evt.device_type == torch.autograd.DeviceType.CUDA and not evt.is_user_annotation:
             out[evt.key] += evt.self_device_time_total / 1e3 / steps  # microseconds -> ms
     return dict(out)
+
+
+def host_times(prof, steps: int) -> dict[str, float]:
+    """Milliseconds per step of host time spent in each op (its self time: not in the ops it calls), largest first,
+    from a profiler that recorded the CPU."""
+    ops = [(evt.key, evt.self_cpu_time_total / 1e3 / steps) for evt in prof.key_averages()
+           if evt.device_type == torch.autograd.DeviceType.CPU]
+    return dict(sorted(ops, key=lambda kv: -kv[1]))
 
 
 def summarize(kernels: dict[str, float]) -> dict[str, float]:
@@ -112,14 +128,69 @@ def gpu_events(prof) -> list[dict]:
     return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
 
 
-def step_summary(prof, steps: int, wall_ms: float, world: int = 1) -> dict:
+class GcPauses:
+    """Python's garbage collections while the context is open (gc.callbacks): how many per generation, and their
+    pauses, during which the host issues no kernel. summary(steps) gives them per step."""
+
+    def __enter__(self) -> "GcPauses":
+        self.pauses: list[tuple[int, float]] = []  # (generation, ms)
+        self._t0: float | None = None
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+            self._t0 = None
+
+    def summary(self, steps: int) -> dict:
+        """gc: collections per step by generation, their ms per step, and the longest pause."""
+        per_gen = {str(g): sum(1 for gen, _ in self.pauses if gen == g) / steps for g in range(3)}
+        return {"gc": {"collections_per_step": per_gen, "ms_per_step": sum(ms for _, ms in self.pauses) / steps,
+                       "longest_ms": max((ms for _, ms in self.pauses), default=0.0)}}
+
+
+def write_gpu_trace(events: list[dict], path: Path) -> None:
+    """gpu_events' events as gzipped JSON (name, ts and dur in µs, stream, grid), to read back with
+    read_gpu_trace: one rank's GPU timeline, small enough to keep beside the summary."""
+    keep = [{"name": e["name"], "cat": e["cat"], "ts": e["ts"], "dur": e["dur"],
+             **{key: e.get("args", {}).get(key) for key in ("stream", "grid")}} for e in events]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(keep, f)
+
+
+def read_gpu_trace(path: Path) -> list[dict]:
+    """The events write_gpu_trace kept, in its order."""
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def step_summary(prof, steps: int, wall_ms: float, world: int = 1, host: bool = False,
+                 trace: Path | None = None) -> dict:
     """A finished profiler of `steps` steps that took `wall_ms` each, summed up: wall_ms_per_step, categories (ms per
-    step), the KEEP_KERNELS largest kernels, the GPU's timeline, and with several ranks NCCL's overlap."""
+    step), the KEEP_KERNELS largest kernels, the GPU's timeline, with several ranks NCCL's overlap, and with `host`
+    (a profiler that recorded the CPU too) the host's time in ops and its largest ones (_host_summary). `trace`: a
+    file to keep the GPU's events in (write_gpu_trace; a profiler exports its events once)."""
     kernels = kernel_times(prof, steps)
     events = gpu_events(prof)
+    if trace is not None:
+        write_gpu_trace(events, trace)
     return {
         **({"overlap": communication_overlap([e for e in events if e["cat"] == "kernel"], steps)} if world > 1 else {}),
         "timeline": gpu_timeline(events, steps),
         "wall_ms_per_step": wall_ms, "categories": summarize(kernels),
         "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:KEEP_KERNELS]),
+        **(_host_summary(host_times(prof, steps)) if host else {}),
     }
+
+
+def _host_summary(ops: dict[str, float]) -> dict:
+    """host_ms_in_ops: the host's time per step inside recorded ops (the rest of the wall time is Python between
+    them, or waiting); host_ops: the KEEP_HOST_OPS largest of them."""
+    return {"host_ms_in_ops": sum(ops.values()), "host_ops": dict(list(ops.items())[:KEEP_HOST_OPS])}

@@ -1,6 +1,7 @@
 """bench/profile_step.py's and bench/trace.py's bookkeeping on CPU: kernel names land in the right category, --set
 parses, the pipeline's profiler covers the steps it is asked for."""
 
+import gc
 import importlib.util
 import json
 import subprocess
@@ -50,6 +51,61 @@ def test_summarize_sums_by_category_and_in_total():
     cats = trace.summarize({"nvjet_a": 2.0, "nvjet_b": 3.0, "triton_poi_fused_add_gelu_3": 1.5, "Memset": 0.5})
     assert cats == {"matmul": 5.0, "GELU": 1.5, "other": 0.5, "all kernels": 7.0}
     assert list(cats)[:3] == ["matmul", "GELU", "other"]  # largest first
+
+
+def test_kernel_times_leave_out_the_gpu_ranges_of_annotations():
+    """A profiler that records the CPU puts record_function ranges (the optimizer step, NCCL's calls) on the GPU's
+    timeline beside the kernels they span; summed with them, the AdamW and communication categories doubled."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", device_type=cuda,
+                              is_user_annotation=False, self_device_time_total=6000.0, self_cpu_time_total=0.0),
+              SimpleNamespace(key="nccl:_reduce_scatter_base", device_type=cuda, is_user_annotation=True,
+                              self_device_time_total=6000.0, self_cpu_time_total=0.0),
+              SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=True,
+                              self_device_time_total=9000.0, self_cpu_time_total=0.0),
+              SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False, self_device_time_total=0.0,
+                              self_cpu_time_total=3000.0)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert trace.kernel_times(prof, steps=3) == {"ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": 2.0}
+    assert trace.host_times(prof, steps=3) == {"aten::mm": 1.0}
+
+
+def test_host_ops_of_a_cpu_profile_hold_the_matmul():
+    from torch.profiler import ProfilerActivity
+
+    a = torch.randn(256, 256)
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            a @ a
+    ops = trace.host_times(prof, steps=2)
+    assert "aten::mm" in ops and ops["aten::mm"] > 0
+    assert list(ops.values()) == sorted(ops.values(), reverse=True)
+    summary = trace._host_summary(ops)
+    assert summary["host_ms_in_ops"] == pytest.approx(sum(ops.values()))
+    assert len(summary["host_ops"]) <= trace.KEEP_HOST_OPS
+
+
+def test_gc_pauses_count_collections_by_generation():
+    with trace.GcPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+        gc.collect(0)
+    g = pauses.summary(steps=2)["gc"]
+    assert g["collections_per_step"] == {"0": 1.0, "1": 0.0, "2": 0.5}
+    assert 0 < g["longest_ms"] <= g["ms_per_step"] * 2
+    assert pauses._on_gc not in gc.callbacks  # closed: later collections are not counted
+    assert trace.GcPauses().__enter__().summary(1)["gc"]["longest_ms"] == 0.0
+
+
+def test_a_gpu_trace_reads_back_as_written(tmp_path):
+    events = [{"name": "nvjet_a", "cat": "kernel", "ts": 10.0, "dur": 5.0, "args": {"stream": 7, "grid": [4, 1, 1]}},
+              {"name": "Memset (Device)", "cat": "gpu_memset", "ts": 20.0, "dur": 1.0, "args": {"stream": 7}}]
+    trace.write_gpu_trace(events, tmp_path / "t" / "rank1.json.gz")
+    assert trace.read_gpu_trace(tmp_path / "t" / "rank1.json.gz") == [
+        {"name": "nvjet_a", "cat": "kernel", "ts": 10.0, "dur": 5.0, "stream": 7, "grid": [4, 1, 1]},
+        {"name": "Memset (Device)", "cat": "gpu_memset", "ts": 20.0, "dur": 1.0, "stream": 7, "grid": None}]
 
 
 def test_set_values_parse_and_errors_name_the_flag():
@@ -166,7 +222,7 @@ def test_the_pipeline_profiler_covers_the_steps_it_is_asked_for(data_cache, tmp_
     summary = json.loads(out.read_text())
     assert (summary["first_step"], summary["last_step"], summary["micro_batches"]) == (2, 4, 6)
     assert summary["wall_ms_per_step"] > 0 and summary["categories"] == {"all kernels": 0}
-    assert set(summary) >= {"timeline", "kernels"} and "overlap" not in summary  # one rank: no NCCL to overlap
+    assert set(summary) >= {"timeline", "kernels", "gc"} and "overlap" not in summary  # one rank: no NCCL to overlap
 
 
 def test_pipeline_mode_launches_train_with_the_profiler_and_keys_its_row(monkeypatch, tmp_path):
@@ -193,18 +249,27 @@ def test_pipeline_mode_launches_train_with_the_profiler_and_keys_its_row(monkeyp
     out = tmp_path / "profile.json"
     case = ["--model", "gpt-tiny", "--seq-len", "256", "--tokens-per-step", "1024", "--micro-batches", "2",
             "--warmup", "2", "--steps", "3", "--strategy", "fsdp2", "--sharding-strategy", "FULL_SHARD"]
-    profile_step.main([*case, "--pipeline", "--gpus", "2", "--out", str(out)])
+    profile_step.main([*case, "--pipeline", "--gpus", "2", "--out", str(out), "--host", "--trace", str(tmp_path / "t"),
+                       "--overrides", "~callbacks.gc"])
     (overrides,) = launched
     assert {"trainer=fsdp2", "trainer.devices=2", "trainer.strategy.sharding_strategy=FULL_SHARD",
-            "global_batch_tokens=4096", "trainer.max_steps=5"} <= set(overrides)
+            "global_batch_tokens=4096", "trainer.max_steps=5", "+callbacks.pipeline_profiler.host=true",
+            f"+callbacks.pipeline_profiler.trace={tmp_path / 't'}"} <= set(overrides)
+    assert overrides[-1] == "~callbacks.gc"  # the user's overrides come last
     cfg = e2e._compose([o for o in overrides if not o.startswith("trainer.devices")])
     profiler = cfg.callbacks.pipeline_profiler
     assert (profiler._target_, profiler.warmup, profiler.steps) == ("bench.pipeline_profiler.PipelineProfiler", 2, 3)
+    assert "gc" not in cfg.callbacks
     (row,) = json.loads(out.read_text())
     assert (row["mode"], row["world_size"], row["strategy"], row["wall_ms_per_step"]) == ("pipeline", 2, "fsdp2", 9.0)
-    assert profile_step.table(row, top=1).startswith("pipeline (train.py): gpt-tiny 4×256 × 2 micro-batches")
-    assert profile_step._key(row) != profile_step._key({**row, "mode": "bare"})
+    assert (row["host"], row["overrides"]) == (True, "~callbacks.gc")
+    assert profile_step.table(row, top=1).startswith(
+        "pipeline (train.py ~callbacks.gc): gpt-tiny 4×256 × 2 micro-batches")
+    for other in ({"mode": "bare"}, {"host": False}, {"overrides": ""}):
+        assert profile_step._key(row) != profile_step._key({**row, **other})
 
+    with pytest.raises(SystemExit, match="--overrides are train.py's"):
+        profile_step.main([*case, "--overrides", "~callbacks.gc"])
     with pytest.raises(SystemExit, match="--gpus is --pipeline's"):
         profile_step.main([*case, "--gpus", "2"])
     monkeypatch.setenv("WORLD_SIZE", "2")
