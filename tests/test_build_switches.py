@@ -1,11 +1,12 @@
 """The kernels' build switches (docs/kernel_design.md, "Build switches") compile, and compile to what they claim.
 
-Each switch selects, with `if constexpr`, one of two schedules, and the default build discards the other unchecked,
-so nothing else compiles it until a GPU build does. Here nvcc compiles the affected Hopper instantiations to PTX (no ptxas, a few
-seconds each) with and without the switch: with it, the source must compile, and a wgmma group must be waited for
-while another is in flight (`wgmma.wait_group.sync.aligned 1`: S_j before the warpgroup's own P V in the forward,
-dV and dQ_i before dK in the backward); without it, no such wait exists. A build that names no switch is the build
-with each switch at the default docs/kernel_design.md gives it.
+Each switch selects, with `if constexpr`, one of two schedules or tiles, and the default build discards the other
+unchecked, so nothing else compiles it until a GPU build does. Here nvcc compiles the affected Hopper
+instantiations to PTX (no ptxas, a few seconds each) with and without the switch: with it, the source must
+compile, and a schedule switch must wait for one wgmma group while another is in flight (`wgmma.wait_group.sync.aligned
+1`: S_j before the warpgroup's own P V in the forward, dV and dQ_i before dK in the backward), a tile switch must
+issue its wgmma shape; without it, neither. A build that names no switch is the build with each switch at the
+default docs/kernel_design.md gives it.
 """
 
 import re
@@ -35,4 +36,18 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
     off, on = device_ptx(source, [f"{switch}=0"]), device_ptx(source, [f"{switch}=1"])
     assert _waits(off).get(0) and not _waits(off).get(1), _waits(off)
     assert _waits(on).get(0) and _waits(on).get(1), _waits(on)
+    assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"
+
+
+TILE_SWITCHES = {  # switch -> (an instantiation file whose tiles it changes, its default, the wgmma shape it adds)
+    "FLASH_FWD_NONCAUSAL_BC176": ("flash_fwd_hdim128_bf16.cu", 0, "m64n176k16"),
+}
+
+
+@pytest.mark.parametrize("switch", list(TILE_SWITCHES))
+def test_a_tile_switch_compiles_to_its_wgmma_shape(switch, device_ptx):
+    source, default, shape = TILE_SWITCHES[switch]
+    off, on = device_ptx(source, [f"{switch}=0"]), device_ptx(source, [f"{switch}=1"])
+    assert f"wgmma.mma_async.sync.aligned.{shape}" in on
+    assert f"wgmma.mma_async.sync.aligned.{shape}" not in off
     assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"

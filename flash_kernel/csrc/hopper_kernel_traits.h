@@ -10,6 +10,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "hopper_utils.cuh"
 #include "kernel_traits.h"  // kWarpSize, the m16n8k16 tile constants, kMaxSmemBytesSm90
 
@@ -82,7 +84,7 @@ struct HopperFwdTraits {
     static_assert(!kIntraWgOverlap || kOverlapLiveRegs + kOverlapOtherRegs <= kConsumerRegs,
                   "intra-warpgroup overlap: acc_o, S_j and P_{j-1} live together, plus the rest of the consumer, must "
                   "fit its registers (three warpgroups' 160 hold hd64's 128-key blocks, not 192)");
-    static_assert((kBlockN / kMmaN) % kRowMaxChains == 0, "the row max's chains take equal shares of S's n8 tiles");
+    static_assert(kBlockN / kMmaN >= kRowMaxChains, "the row max's chains take at least one n8 tile of S each");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "forward tiles must fit Hopper shared memory");
     static_assert(kConsumerRegs <= 256 && kProducerRegs + kNWarpgroups * kConsumerRegs <= kEntryRegs * (kNWarpgroups + 1),
                   "setmaxnreg: the warpgroups' registers must fit what the block was launched with");
@@ -90,7 +92,8 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd128) cut the
+// A config runs Traits from kLongKeys keys up and ShortTraits below; a dense non-causal call from kLongKeys up runs
+// NonCausalTraits (Traits unless a switch says otherwise). Wider key blocks (192 at hd128) cut the
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
@@ -100,6 +103,8 @@ struct HopperFwdTraits {
 //   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
 //   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd96, hd128 below 2k keys);
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
+// FLASH_FWD_NONCAUSAL_BC176 (off): hd128's dense non-causal calls from 2k keys on 176-key blocks (FA3's non-causal
+// hd128 tile) instead of 192: S_j and P_{j-1} take 132 registers instead of 144 beside acc_o under the overlap.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -109,9 +114,13 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP_HD64
 #define FLASH_FWD_INTRA_WG_OVERLAP_HD64 0
 #endif
+#ifndef FLASH_FWD_NONCAUSAL_BC176
+#define FLASH_FWD_NONCAUSAL_BC176 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
+constexpr bool kFwdNonCausalBc176 = FLASH_FWD_NONCAUSAL_BC176 != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -126,6 +135,7 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // overlap, which keeps P_{j-1} beside S_j (as FA3's hd64 causal tile, 192 x 128 with P in registers).
     using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3, kFwdIntraWgOverlapHd64>;
     using ShortTraits = Traits;
+    using NonCausalTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
@@ -133,6 +143,7 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
     using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128>;
     using ShortTraits = Traits;
+    using NonCausalTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
@@ -140,6 +151,8 @@ template <typename E> struct HopperFwdConfig<128, E> {
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
+    using NonCausalTraits = std::conditional_t<kFwdNonCausalBc176,  // 213 KB
+                                               HopperFwdTraits<128, 176, 2, E, 128, 0, 2, kFwdIntraWgOverlap>, Traits>;
     static constexpr int kLongKeys = 2048;
 };
 #endif
