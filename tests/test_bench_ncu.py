@@ -1,0 +1,108 @@
+"""bench/ncu_compare.py on CPU: ncu's raw CSV parsed, scaled and tabulated, the command each method gets, and the
+kernel patterns; on a GPU with ncu on PATH, one real profile of our forward."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from bench import ncu_compare as nc
+
+# The shape of `ncu --page raw --csv --print-units base` output: what the profiled program printed, ncu's notices,
+# a header of metric names, their units, one row per kernel.
+RAW = '''ours hd128 causal=0 T=8192 B=2 H=16 fwd (bthd inputs): 2 calls
+==PROF== Disconnected from process 4242
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",\
+"gpu__time_duration.sum","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",\
+"smsp__inst_executed.sum","lts__t_bytes.sum","launch__shared_mem_per_block_dynamic","launch__registers_per_thread",\
+"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",\
+"smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","device__attribute_display_name"
+"","","","","","","","","","","","nsecond","%","inst","byte","byte","register/thread","ratio","ratio",""
+"0","4242","python3","gpu1","void flash::flash_fwd_hopper_kernel<T, false, false>(flash::FwdParams)","1","7",\
+"(384, 1, 1)","(132, 1, 1)","0","9.0","1,250,000","71.5","52,000,000","300,000,000","230,400","168","0.25","1.5",\
+"NVIDIA H200"
+'''.replace("\\\n", "")
+
+
+def test_the_raw_csv_parses_to_numbers_with_their_units():
+    (kernel,) = nc.parse_raw_csv(RAW)
+    assert kernel["kernel"].startswith("void flash::flash_fwd_hopper_kernel")
+    assert kernel["values"]["gpu__time_duration.sum"] == 1_250_000  # thousands separators dropped
+    assert kernel["units"]["lts__t_bytes.sum"] == "byte"
+    assert "device__attribute_display_name" not in kernel["values"]  # text, not a number
+    with pytest.raises(ValueError, match="Kernel Name"):
+        nc.parse_raw_csv("==PROF== no kernels were profiled\n")
+
+
+def test_the_summary_scales_to_the_tables_units_and_sorts_the_stalls():
+    s = nc.summary(nc.parse_raw_csv(RAW)[0])
+    assert s["metrics"]["time (µs)"] == pytest.approx(1250.0)
+    assert s["metrics"]["L2 traffic (MB)"] == pytest.approx(300.0)
+    assert s["metrics"]["dynamic shared memory (KiB)"] == pytest.approx(225.0)
+    assert s["metrics"]["instructions (M)"] == pytest.approx(52.0)
+    assert "DRAM traffic (MB)" not in s["metrics"]  # not in this profile
+    assert list(s["stalls"].items()) == [("wait", 1.5), ("barrier", 0.25)]
+    scaled = nc.parse_raw_csv(RAW.replace('"nsecond"', '"usecond"'))[0]
+    with pytest.raises(ValueError, match="usecond"):
+        nc.summary(scaled)
+
+
+def test_the_table_puts_methods_side_by_side_with_the_first_ones_ratios():
+    ours = {"method": "ours", "kernel": "flash_fwd_hopper_kernel", "metrics": {"time (µs)": 1100.0, "grid": 132.0},
+            "stalls": {"wait": 1.0}}
+    fa4 = {"method": "fa4", "kernel": "FlashAttentionForwardSm90", "metrics": {"time (µs)": 1000.0},
+           "stalls": {"wait": 0.5, "barrier": 2.0}}
+    text = nc.table([ours, fa4])
+    assert text.splitlines()[0] == "| metric | ours | fa4 | ours / fa4 |"
+    assert "| time (µs) | 1.1e+03 | 1e+03 | 1.100 |" in text
+    assert "| grid | 132 | – | – |" in text
+    lines = text.splitlines()
+    assert lines.index("| stall: barrier (cycles per instruction) | – | 2 | – |") < lines.index(
+        "| stall: wait (cycles per instruction) | 1 | 0.5 | 2.000 |")  # the largest stall first
+
+
+def test_each_method_profiles_its_main_kernel_once_after_the_warm_up():
+    cmd = nc.ncu_command("/usr/bin/ncu", "ours", 128, 8192, 0, "bwd")
+    assert cmd[:3] == ["/usr/bin/ncu", "--set", "full"] and "--print-units" in cmd
+    assert cmd[cmd.index("-k") + 1] == "regex:flash_bwd_(hopper|tiled)_kernel"
+    assert cmd[cmd.index("-s") + 1] == "1" and cmd[cmd.index("-c") + 1] == "1"
+    assert cmd[cmd.index("--mode") + 1] == "bwd" and cmd[cmd.index("--inputs") + 1] == "bthd"
+    assert nc.ncu_command("ncu", "sdpa_cudnn", 64, 1024, 1, "fwd", regex="cudnn")[cmd.index("-k") + 1] == "regex:cudnn"
+    with pytest.raises(SystemExit, match="--kernel-regex"):
+        nc.ncu_command("ncu", "sdpa_cudnn", 64, 1024, 1, "fwd")
+
+
+@pytest.mark.parametrize("mode, main, others", [
+    ("fwd", "kernel_cutlass_flash_fwd_sm90_FlashAttentionForwardSm90_object", []),
+    ("bwd", "kernel_cutlass_flash_bwd_sm90_FlashAttentionBackwardSm90_object",
+     ["kernel_cutlass_flash_bwd_preprocess_FlashAttentionBackwardPreprocess_object",
+      "kernel_cutlass_flash_bwd_postprocess_FlashAttentionBackwardPostprocess_object"]),
+])
+def test_fa4_patterns_take_the_attention_kernel_and_not_its_pre_or_post_processing(mode, main, others):
+    pattern = re.compile(nc.KERNELS[("fa4", mode)])
+    assert pattern.search(main)
+    assert not any(pattern.search(name) for name in others)
+
+
+def test_without_ncu_the_reason_is_given(monkeypatch):
+    monkeypatch.setattr(nc.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="not on PATH"):
+        nc.main(["--ncu", "ncu"])
+    with pytest.raises(SystemExit, match="METHOD=REGEX"):
+        nc.main(["--kernel-regex", "fa4"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="ncu profiles CUDA kernels: needs a CUDA GPU")
+@pytest.mark.skipif(shutil.which("ncu") is None, reason="Nsight Compute's ncu is not on PATH")
+def test_ncu_profiles_our_forward(tmp_path):
+    import flash_kernel
+
+    if not flash_kernel.is_available():
+        pytest.skip(f"our kernel cannot run here: {flash_kernel.unavailable_reason(64)}")
+    out = tmp_path / "ncu.json"
+    nc.main(["--methods", "ours", "--hdim", "64", "--seqlen", "1024", "--causal", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert "flash_fwd" in row["kernel"] and row["metrics"]["time (µs)"] > 0 and row["stalls"]
