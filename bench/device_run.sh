@@ -10,6 +10,8 @@
 #   bash bench/device_run.sh varlen [kernel.py --varlen args]  # document-masked / sliding-window grid, one part per
 #                                                    # head dim; run the docs and window cases as separate stages:
 #                                                    # `varlen --cases corpus lognormal fixed1k fixed2k fixed4k`, `varlen --cases window`
+#   bash bench/device_run.sh ncu [ncu_compare.py args]  # Nsight Compute on ours and FA4 (where it imports) for one
+#                                                    # case, side by side (e.g. --hdim 128 --seqlen 8192 --causal 0)
 #   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #   bash bench/device_run.sh candidate "NVCC FLAGS" test   # a second build with these nvcc flags (e.g.
@@ -37,7 +39,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
-stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|e2e|multi|launchers [args]}
+stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|ncu|e2e|multi|launchers [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -156,6 +158,12 @@ candidate)
         ;;
     esac
     ;;
+ncu)
+    build_quietly
+    log="ncu_$(ls "$OUT"/ncu_*.log 2>/dev/null | wc -l)"  # one log per stage run when stages are chained
+    step 540 "$log" $PY bench/ncu_compare.py --out "$OUT/ncu.json" "$@"
+    grep -E "^\||^[A-Z].*: hd" "$OUT/$log.log"
+    ;;
 e2e)
     build_quietly
     data_quietly
@@ -185,7 +193,7 @@ launchers)
     grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
     ;;
 *)
-    echo "unknown stage $stage (check | python | kernel | varlen | candidate | e2e | multi | launchers)" >&2
+    echo "unknown stage $stage (check | python | kernel | varlen | candidate | ncu | e2e | multi | launchers)" >&2
     exit 2
     ;;
 esac

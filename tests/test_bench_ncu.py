@@ -94,6 +94,35 @@ def test_without_ncu_the_reason_is_given(monkeypatch):
         nc.main(["--kernel-regex", "fa4"])
 
 
+def test_a_method_that_cannot_run_is_left_out_and_the_others_compared(monkeypatch, tmp_path, capsys):
+    """main's flow with ncu and the GPU stood in for: FA4 not installed is a note, ours is profiled, its row kept."""
+    from types import SimpleNamespace
+
+    from bench.kernel import BackendUnsupported
+
+    def make_method(method, *args):
+        if method == "fa4":
+            raise BackendUnsupported("flash_attn.cute does not import")
+
+    ran = []
+    monkeypatch.setattr(nc.shutil, "which", lambda name: "/opt/ncu/ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
+    monkeypatch.setattr(nc, "make_method", make_method)
+    monkeypatch.setattr(nc, "RAW", tmp_path / "raw")
+    monkeypatch.setattr(nc.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or SimpleNamespace(
+        returncode=0, stdout=RAW, stderr=""))
+    out = tmp_path / "ncu.json"
+    nc.main(["--methods", "ours", "fa4", "--hdim", "128", "--seqlen", "8192", "--out", str(out)])
+    assert len(ran) == 1 and ran[0][0] == "/opt/ncu/ncu"
+    (row,) = json.loads(out.read_text())
+    assert (row["device"], row["method"], row["seqlen"]) == ("GPU X", "ours", 8192)
+    assert row["metrics"]["time (µs)"] == pytest.approx(1250.0)
+    text = capsys.readouterr().out
+    assert "note: fa4 skipped: flash_attn.cute does not import" in text and "| time (µs) | 1.25e+03 |" in text
+    assert (tmp_path / "raw" / "ours_hd128_T8192_c0_fwd.csv").read_text() == RAW
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ncu profiles CUDA kernels: needs a CUDA GPU")
 @pytest.mark.skipif(shutil.which("ncu") is None, reason="Nsight Compute's ncu is not on PATH")
