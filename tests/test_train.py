@@ -222,6 +222,18 @@ def test_fsdp_checkpoint_resume_continues_the_run(data_cache, tmp_path, trainer,
     assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=2e-2)
 
 
+@pytest.mark.gpu
+@two_gpus
+def test_fsdp2_compiled_on_two_gpus_trains_as_eager(data_cache, tmp_path):
+    """trainer=fsdp2 with compile=true (each Block compiled on its own, model/lit_gpt.py) on 2 GPUs, two
+    micro-batches per rank and step: it trains through validation, and its loss follows the eager run's."""
+    common = ("trainer=fsdp2", "trainer.devices=2", "attention=flash", "global_batch_tokens=2048")
+    eager = _launch(data_cache, tmp_path / "eager", *common)
+    compiled = _launch(data_cache, tmp_path / "compiled", *common, "compile=true")
+    assert compiled["world_size"] == 2 and compiled["global_step"] == eager["global_step"] == 6
+    assert compiled["val/loss"] == pytest.approx(eager["val/loss"], rel=2e-2)
+
+
 @pytest.mark.parametrize("trainer, global_batch_tokens", [("ddp", 512), ("fsdp2", 1024)])
 def test_two_ranks_train_like_one_accumulating_rank(data_cache, tmp_path, trainer, global_batch_tokens):
     """Same global batch, same seed: 2 ranks (gloo, CPU) and 1 rank accumulating their micro-batches see the same
