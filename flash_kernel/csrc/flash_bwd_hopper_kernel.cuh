@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kNThreads = Traits::kNThreads;
     constexpr int kNStages = Traits::kNStages;
     constexpr int kNTilesM = kBlockM / kMmaN;    // n8 column tiles (queries) of S^T / dP^T per warp
-    constexpr int kNTilesD = kHeadDim / kMmaN;   // n8 column tiles of dK / dV per warp
+    constexpr int kDkvDim = Traits::kDkvDim;     // dK's and dV's columns (their wgmmas' N); the tile's past it are zeros
+    constexpr int kNTilesD = kDkvDim / kMmaN;    // n8 column tiles of dK / dV per warp
     constexpr int kNTilesDq = Traits::kDqCols / kMmaN;
     constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of lines 11 and 14 (to d_rounded, not the tile width)
     constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
@@ -179,9 +180,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
     };
 
-    float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
+    float acc_dk[kDkvDim / 2], acc_dv[kDkvDim / 2];  // 64 keys x kDkvDim per warpgroup
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    for (int i = 0; i < kDkvDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
     // K-major descriptors of this warpgroup's 64 key rows of K and V (lines 11, 14); the dQ operands (line 16):
     // the 64-query column block dq_row0 / 64 of dS^T (M-major) and K's columns from dq_col0 (N-major).
@@ -337,13 +338,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         auto issue_dk = [&]() {
 #pragma unroll
             for (int kk = 0; kk < kKStepsM; ++kk) {
-                Wgmma<Element, kHeadDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
+                Wgmma<Element, kDkvDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
             }
         };
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsM; ++kk) {
-            Wgmma<Element, kHeadDim>::template rs<1>(acc_dv, p_frag[kk], desc_advance(desc_do_n, kk * kKStepRowsBytes), 1);
+            Wgmma<Element, kDkvDim>::template rs<1>(acc_dv, p_frag[kk], desc_advance(desc_do_n, kk * kKStepRowsBytes), 1);
         }
         if constexpr (!Traits::kDqBeforeDk) issue_dk();
         wgmma_commit();

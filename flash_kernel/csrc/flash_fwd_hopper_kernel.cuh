@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kNStages = Traits::kNStages;
     constexpr int kNTilesN = kBlockN / kMmaN;    // n8 column tiles of S per warp
-    constexpr int kNTilesD = kHeadDim / kMmaN;   // n8 column tiles of O per warp
+    constexpr int kVDim = Traits::kVDim;         // O's columns (P V's N); the tile's past it are zeros
+    constexpr int kNTilesD = kVDim / kMmaN;      // n8 column tiles of O per warp
     constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of Q K^T (to d_rounded, not the tile width)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
     constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q
@@ -238,7 +239,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int g = lane / 4, t = lane % 4;
     const int my_row = wg * kWarpgroupRows + ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
 
-    float acc_o[kHeadDim / 2];
+    float acc_o[kVDim / 2];
     float m_i[2];  // row max of the raw scores
     float l_i[2];  // this thread's partial sums, quad-reduced at the end
     const float scale_log2 = params.scale_softmax_log2;
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const uint64_t desc_v = make_smem_desc_sw128(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, kSwizzleAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsN; ++kk) {
-            Wgmma<Element, kHeadDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
+            Wgmma<Element, kVDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
         }
     };
     // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
@@ -428,7 +429,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         auto stage_of = [&](int n_block) { return (kv_base + n_block) % kNStages; };
         auto phase_of = [&](int n_block) { return ((kv_base + n_block) / kNStages) & 1; };
 #pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.f;
+        for (int i = 0; i < kVDim / 2; ++i) acc_o[i] = 0.f;
         m_i[0] = m_i[1] = -INFINITY;
         l_i[0] = l_i[1] = 0.f;
 

@@ -14,16 +14,25 @@
 #ifndef FLASH_BWD_DQ_BEFORE_DK
 #define FLASH_BWD_DQ_BEFORE_DK 1
 #endif
+// FLASH_BWD_NARROW_DKV (off): head dims 65-96 (the 128-wide tiles with kQKDim = 96) accumulate dK and dV over 96
+// columns (kDkvDim, n96 wgmmas reading 1.5 of Q's and dO's 64-column blocks) instead of 128: a quarter less work
+// in those two products, and 32 fewer accumulator registers per thread.
+#ifndef FLASH_BWD_NARROW_DKV
+#define FLASH_BWD_NARROW_DKV 0
+#endif
 
 namespace flash {
 
 // kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded) that S^T = K Q_i^T and
 // dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96 run the 128-wide tiles with zero columns).
-template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64>
+template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64, int kDkvDim_ = kHeadDim_>
 struct HopperBwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kQKDim = kQKDim_;
+    // dK's and dV's columns, the N of dV += P^T dO_i and dK += dS^T Q_i (<= kHeadDim: the tile's columns past it,
+    // zeros from TMA, are not read); dQ keeps whole 64-column blocks per warpgroup.
+    static constexpr int kDkvDim = kDkvDim_;
     static constexpr int kNWarpgroups = 2;
     static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kBlockN = kNWarpgroups * kWarpgroupRows;  // keys per thread block, 64 per warpgroup
@@ -58,6 +67,8 @@ struct HopperBwdTraits {
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
     static_assert(kQKDim % 32 == 0, "sdQ rows of whole 8-chunk groups (dq_accum_chunk's swizzle)");
+    static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kSwizzleBlockElems,
+                  "dK's and dV's N: whole n16 tiles that reach into the tile's last 64-column block");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
 };
 
@@ -72,7 +83,8 @@ template <typename E> struct HopperBwdConfig<64, E> {
 };
 template <typename E> struct HopperBwdConfig<96, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperBwdTraits<128, E, 96>;  // hd128's tiles, 6 of 8 k16 steps in S^T and dP^T
+    // hd128's tiles, 6 of 8 k16 steps in S^T and dP^T (and, under FLASH_BWD_NARROW_DKV, 96 columns of dK and dV)
+    using Traits = HopperBwdTraits<128, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : 128>;
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;

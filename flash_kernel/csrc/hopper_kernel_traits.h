@@ -29,12 +29,15 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // kIntraWgOverlap (FA3 paper, section 3.2): a turn commits S_j and O += P_{j-1} V_{j-1} as two wgmma groups and
 // runs the softmax of S_j (mask, m_i, exponentials, l_i) while its own P V is still on the tensor cores; only O's
 // rescale and P_j's packing wait for it. P_{j-1}, S_j and acc_o are then live at once.
+// kVDim <= kHeadDim: the columns of V that O += P V computes (wgmma's N), and acc_o's width; the tile's columns past
+// it (zeros from TMA) are not read.
 template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kPolyExpEvery_ = 0,
-          int kNWarpgroups_ = 2, bool kIntraWgOverlap_ = false>
+          int kNWarpgroups_ = 2, bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kQKDim = kQKDim_;
+    static constexpr int kVDim = kVDim_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
     static constexpr int kMinBlocksPerSm = 1;  // the launch bound that lets ptxas honour setmaxnreg
@@ -62,7 +65,7 @@ struct HopperFwdTraits {
     // The rest of the consumer (m_i, l_i, O's correction factors, row limits, addresses, loop state) takes 24-30 more:
     // the consumers use 155-156 of 160 registers at hd64 and 232-238 of 240 at hd128, without spills. With 32 for
     // the rest, the bound admits at most those two's live arrays at their budgets (128 of 160, 208 of 240).
-    static constexpr int kOverlapLiveRegs = kHeadDim / 2 + kBlockN / 2 + kBlockN / 4;
+    static constexpr int kOverlapLiveRegs = kVDim / 2 + kBlockN / 2 + kBlockN / 4;
     static constexpr int kOverlapOtherRegs = 32;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
@@ -79,6 +82,8 @@ struct HopperFwdTraits {
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
+    static_assert(kVDim % 16 == 0 && kVDim <= kHeadDim && kVDim > kHeadDim - kSwizzleBlockElems,
+                  "P V's N: whole n16 tiles of O that reach into the tile's last 64-column block");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
     static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
     static_assert(!kIntraWgOverlap || kOverlapLiveRegs + kOverlapOtherRegs <= kConsumerRegs,
@@ -105,6 +110,9 @@ struct HopperFwdTraits {
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
 // FLASH_FWD_NONCAUSAL_BC176 (off): hd128's dense non-causal calls from 2k keys on 176-key blocks (FA3's non-causal
 // hd128 tile) instead of 192: S_j and P_{j-1} take 132 registers instead of 144 beside acc_o under the overlap.
+// FLASH_FWD_NARROW_PV (off): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
+// (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
+// 48 registers instead of 64.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -117,10 +125,14 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_NONCAUSAL_BC176
 #define FLASH_FWD_NONCAUSAL_BC176 0
 #endif
+#ifndef FLASH_FWD_NARROW_PV
+#define FLASH_FWD_NARROW_PV 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNonCausalBc176 = FLASH_FWD_NONCAUSAL_BC176 != 0;
+constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -141,7 +153,7 @@ template <typename E> struct HopperFwdConfig<64, E> {
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
-    using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128>;
+    using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128, kFwdNarrowPv ? 96 : 128>;
     using ShortTraits = Traits;
     using NonCausalTraits = Traits;
     static constexpr int kLongKeys = 0;
