@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kNThreads = Traits::kNThreads;
     constexpr int kNStages = Traits::kNStages;
     constexpr int kNTilesM = kBlockM / kMmaN;    // n8 column tiles (queries) of S^T / dP^T per warp
-    constexpr int kDkvDim = Traits::kDkvDim;     // dK's and dV's columns (their wgmmas' N); the tile's past it are zeros
+    constexpr int kDkvDim = Traits::kDkvDim;     // dK's and dV's columns (their wgmmas' N); past it: zeros
     constexpr int kNTilesD = kDkvDim / kMmaN;    // n8 column tiles of dK / dV per warp
     constexpr int kNTilesDq = Traits::kDqCols / kMmaN;
     constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of lines 11 and 14 (to d_rounded, not the tile width)
