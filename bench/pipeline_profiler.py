@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from bench.trace import GcPauses, gpu_events, step_summary, write_gpu_trace
+from bench.trace import GcPauses, rank_summary
 
 
 def overrides(out: str | Path, warmup: int, steps: int, host: bool = False,
@@ -38,7 +38,7 @@ class PipelineProfiler(L.Callback):
         self.out, self.warmup, self.steps, self.host = Path(out), warmup, steps, host
         self.trace = Path(trace) if trace else None  # every rank's GPU events, rank<N>.json.gz (bench/trace.py)
         self._prof: Any = None
-        self._gc = GcPauses()
+        self._gc: GcPauses | None = None  # the collections while profiling
         self._t0 = 0.0
         self._micro_batches = 0
         self.done = False
@@ -73,13 +73,10 @@ class PipelineProfiler(L.Callback):
         self._prof.__exit__(None, None, None)
         prof, self._prof, self.done = self._prof, None, True
         self._gc.__exit__(None, None, None)
-        trace = self.trace / f"rank{trainer.global_rank}.json.gz" if self.trace is not None else None
-        if trainer.is_global_zero:
-            summary = {**step_summary(prof, self.steps, wall_ms, trainer.world_size, self.host, trace),
-                       **self._gc.summary(self.steps)}
+        summary = rank_summary(prof, self._gc, self.steps, wall_ms, trainer.global_rank, trainer.world_size,
+                               self.host, self.trace)
+        if summary is not None:
             covered = {"first_step": self.warmup, "last_step": trainer.global_step - 1,
                        "micro_batches": self._micro_batches}
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.out.write_text(json.dumps({**covered, **summary}, indent=1) + "\n")
-        elif trace is not None:
-            write_gpu_trace(gpu_events(prof), trace)

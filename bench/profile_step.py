@@ -65,15 +65,16 @@ sys.path.insert(0, str(REPO))
 from bench.common import join_torchrun_group, merge_file, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
-from bench.trace import GcPauses, step_summary  # noqa: E402
+from bench.trace import GcPauses, rank_summary  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PIPELINE_OUT = RESULTS / "runs" / "profile_pipeline"  # the pipeline's run directory and its profiler's JSON
 
 
-def profile(step, warmup: int, steps: int, world: int = 1, host: bool = False, trace: Path | None = None) -> dict:
+def profile(step, warmup: int, steps: int, world: int = 1, host: bool = False,
+            trace: Path | None = None) -> dict | None:
     """`warmup` steps, then `steps` steps under torch.profiler (CUDA kernels, and with `host` the host's ops), summed
-    up (bench/trace.step_summary); `trace`: a directory for this rank's GPU events (rank<N>.json.gz)."""
+    up on rank 0 (bench/trace.rank_summary; other ranks: None); `trace`: a directory for each rank's GPU events."""
     from torch.profiler import ProfilerActivity
 
     for _ in range(warmup):
@@ -86,8 +87,7 @@ def profile(step, warmup: int, steps: int, world: int = 1, host: bool = False, t
             step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    rank_trace = trace / f"rank{os.environ.get('RANK', '0')}.json.gz" if trace is not None else None
-    return {**step_summary(prof, steps, wall_ms, world, host, rank_trace), **pauses.summary(steps)}
+    return rank_summary(prof, pauses, steps, wall_ms, int(os.environ.get("RANK", "0")), world, host, trace)
 
 
 def profile_pipeline(args: argparse.Namespace, batch: int, world: int, strategy_sets: tuple[str, ...]) -> dict:

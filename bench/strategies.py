@@ -57,13 +57,14 @@ def _strategy_conf(name: str) -> dict:
     return yaml.safe_load((STRATEGY_CONF / f"{name}.yaml").read_text())
 
 
-def strategy_settings(name: str, keys: tuple[str, ...]) -> dict:
-    """The values of `keys` in conf/trainer/strategy/<name>.yaml (the pipeline's defaults)."""
+def strategy_settings(name: str, keys: tuple[str, ...], overrides: dict | None = None) -> dict:
+    """The values of `keys` in conf/trainer/strategy/<name>.yaml (the pipeline's defaults), `overrides` (of the
+    same keys) on top."""
     conf = _strategy_conf(name)
     missing = [k for k in keys if k not in conf]
     if missing:
         raise KeyError(f"conf/trainer/strategy/{name}.yaml has no {', '.join(missing)}")
-    return {k: conf[k] for k in keys}
+    return {**{k: conf[k] for k in keys}, **(overrides or {})}
 
 
 def check_settings(strategy: str, settings: dict, bare: bool) -> None:
@@ -91,7 +92,7 @@ def ddp_wrap(local_rank: int, overrides: dict | None = None):
     from model.allreduce import ddp_hook
     from model.distributed import DTYPES, check_comm_hook
 
-    settings = {**strategy_settings("data_parallel", (*DDP_KWARGS, *DDP_HOOK_KEYS)), **(overrides or {})}
+    settings = strategy_settings("data_parallel", (*DDP_KWARGS, *DDP_HOOK_KEYS), overrides)
     reduce_dtype, sm_carveout, hook = [settings.pop(key) for key in DDP_HOOK_KEYS]
     check_comm_hook(hook, reduce_dtype, sm_carveout)
     state_and_hook = None if hook == "torch" else ddp_hook(DTYPES[reduce_dtype], sm_carveout, hook == "copy_engine",
@@ -115,7 +116,7 @@ def fsdp_wrap(local_rank: int, overrides: dict | None = None):
 
     from model.distributed import fsdp_strategy
 
-    pipeline = fsdp_strategy(precision="bf16-mixed", **{**strategy_settings("fsdp", FSDP_KWARGS), **(overrides or {})})
+    pipeline = fsdp_strategy(precision="bf16-mixed", **strategy_settings("fsdp", FSDP_KWARGS, overrides))
 
     def wrap(gpt: torch.nn.Module) -> torch.nn.Module:  # as Lightning's FSDPStrategy._setup_model
         return FullyShardedDataParallel(gpt, cpu_offload=pipeline.cpu_offload,
@@ -136,8 +137,7 @@ def fsdp2_wrap(device_type: str = "cuda", overrides: dict | None = None):
 
     from model.fsdp2 import fsdp2_strategy, shard_gpt
 
-    pipeline = fsdp2_strategy(precision="bf16-mixed",
-                              **{**strategy_settings("fsdp2", FSDP2_KWARGS), **(overrides or {})})
+    pipeline = fsdp2_strategy(precision="bf16-mixed", **strategy_settings("fsdp2", FSDP2_KWARGS, overrides))
 
     def wrap(gpt: torch.nn.Module) -> torch.nn.Module:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))

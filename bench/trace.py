@@ -190,6 +190,18 @@ def step_summary(prof, steps: int, wall_ms: float, world: int = 1, host: bool = 
     }
 
 
+def rank_summary(prof, pauses: GcPauses, steps: int, wall_ms: float, rank: int, world: int = 1, host: bool = False,
+                 trace_dir: Path | None = None) -> dict | None:
+    """What one rank of a profiled run keeps: rank 0 the step_summary with its garbage collections (pauses), every
+    other rank nothing; with `trace_dir`, each rank's GPU events in trace_dir/rank<N>.json.gz (write_gpu_trace)."""
+    trace = trace_dir / f"rank{rank}.json.gz" if trace_dir is not None else None
+    if rank == 0:
+        return {**step_summary(prof, steps, wall_ms, world, host, trace), **pauses.summary(steps)}
+    if trace is not None:
+        write_gpu_trace(gpu_events(prof), trace)
+    return None
+
+
 def _host_summary(ops: dict[str, float]) -> dict:
     """host_ms_in_ops: the host's time per step inside recorded ops (the rest of the wall time is Python between
     them, or waiting); host_ops: the KEEP_HOST_OPS largest of them."""
