@@ -98,7 +98,7 @@ struct HopperFwdTraits {
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
 // A config runs Traits from kLongKeys keys up and ShortTraits below; a dense non-causal call from kLongKeys up runs
-// NonCausalTraits (Traits unless a switch says otherwise). Wider key blocks (192 at hd128) cut the
+// its NonCausalTraits where it names one (NonCausalTraitsOf). Wider key blocks (192 at hd128) cut the
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
@@ -147,7 +147,6 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // overlap, which keeps P_{j-1} beside S_j (as FA3's hd64 causal tile, 192 x 128 with P in registers).
     using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3, kFwdIntraWgOverlapHd64>;
     using ShortTraits = Traits;
-    using NonCausalTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<96, E> {
@@ -155,7 +154,6 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
     using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128, kFwdNarrowPv ? 96 : 128>;
     using ShortTraits = Traits;
-    using NonCausalTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
@@ -168,5 +166,13 @@ template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr int kLongKeys = 2048;
 };
 #endif
+
+// A Hopper forward config's NonCausalTraits, or its Traits where it names none.
+template <typename Config, typename = void>
+struct NonCausalTraitsOf { using type = typename Config::Traits; };
+template <typename Config>
+struct NonCausalTraitsOf<Config, std::void_t<typename Config::NonCausalTraits>> {
+    using type = typename Config::NonCausalTraits;
+};
 
 }  // namespace flash
