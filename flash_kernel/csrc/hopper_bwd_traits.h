@@ -14,11 +14,11 @@
 #ifndef FLASH_BWD_DQ_BEFORE_DK
 #define FLASH_BWD_DQ_BEFORE_DK 1
 #endif
-// FLASH_BWD_NARROW_DKV (off): head dims 65-96 (the 128-wide tiles with kQKDim = 96) accumulate dK and dV over 96
+// FLASH_BWD_NARROW_DKV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) accumulate dK and dV over 96
 // columns (kDkvDim, n96 wgmmas reading 1.5 of Q's and dO's 64-column blocks) instead of 128: a quarter less work
 // in those two products, and 32 fewer accumulator registers per thread.
 #ifndef FLASH_BWD_NARROW_DKV
-#define FLASH_BWD_NARROW_DKV 0
+#define FLASH_BWD_NARROW_DKV 1
 #endif
 
 namespace flash {

@@ -110,7 +110,7 @@ struct HopperFwdTraits {
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
 // FLASH_FWD_NONCAUSAL_BC176 (off): hd128's dense non-causal calls from 2k keys on 176-key blocks (FA3's non-causal
 // hd128 tile) instead of 192: S_j and P_{j-1} take 132 registers instead of 144 beside acc_o under the overlap.
-// FLASH_FWD_NARROW_PV (off): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
+// FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
 // 48 registers instead of 64.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
@@ -126,7 +126,7 @@ struct HopperFwdTraits {
 #define FLASH_FWD_NONCAUSAL_BC176 0
 #endif
 #ifndef FLASH_FWD_NARROW_PV
-#define FLASH_FWD_NARROW_PV 0
+#define FLASH_FWD_NARROW_PV 1
 #endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
