@@ -361,20 +361,22 @@ def _attention(r: dict) -> str:
     rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual', and
     rows whose blocks passed the fused qkv whole (model/attention.py's qkv-packed form): '..., qkv packed'.
     Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views. Rows of
-    loss=fused (model/cross_entropy.py) end in ', fused loss'; rows with data.document_mask=true say so:
-    'flash vN, document mask, ...'; rows run with --set name its model fields last: '..., fused_add_norm=true'."""
+    loss=fused (model/cross_entropy.py) end in ', fused loss', then the model/fusion.py options their config turned
+    on (', fused add + norm, fused bias-GELU'); rows with data.document_mask=true say so: 'flash vN, document mask,
+    ...'; rows run with --set name its model fields last: '..., fused_add_norm=true'."""
     return _label(r, details=True)
 
 
 def _label(r: dict, details: bool) -> str:
     """A row's attention word, document masking and --set / --vs fields; with details also its kernel version,
-    residual dtype, qkv layout and loss (_attention's order)."""
+    residual dtype, qkv layout, loss and fused options (_attention's order)."""
     parts = [f"{r['attention']} {r['kernel']}" if details and r.get("kernel") else r["attention"]]
     parts += ["document mask"] if r.get("document_mask") else []
     if details:
         parts += ["bf16 residual"] if r.get("residual") == "bf16" else []
         parts += ["qkv packed"] if r.get("qkv") == "packed" else []
         parts += ["fused loss"] if r.get("loss") == "fused" else []
+        parts += [FUSED_OPTIONS[name] for name in r.get("fused", ())]
     return ", ".join([*parts, *([r["set"]] if r.get("set") else [])])
 
 
@@ -397,6 +399,16 @@ def residual_dtype(model: str, sets: tuple[str, ...] = ()) -> str:
     """'bf16' or 'fp32': the residual stream a model's config (with --set's fields) runs under bf16 autocast
     (model/gpt.py)."""
     return "fp32" if _model_config(model, "sdpa", sets=sets).get("fp32_residual", False) else "bf16"
+
+
+FUSED_OPTIONS = {"fused_add_norm": "fused add + norm", "fused_bias_gelu": "fused bias-GELU"}  # field -> row label
+
+
+def fused_options(model: str, sets: tuple[str, ...] = ()) -> list[str]:
+    """The model/fusion.py options (GPTConfig fields) that a model's config, with --set's fields, turns on. Rows from
+    before the GPT3-1.3B and 2.7B presets turned them on carry no 'fused' field: they ran without."""
+    cfg = _model_config(model, "sdpa", sets=sets)
+    return [name for name in FUSED_OPTIONS if cfg.get(name, False)]
 
 
 def qkv_layout(model: str, attention: str, sets: tuple[str, ...] = ()) -> str:
@@ -664,6 +676,7 @@ def main(argv: list[str] | None = None) -> None:
                          **({"accumulation": K} if K > 1 else {}), **({"set": variant} if variant else {}),
                          gpus=gpus, strategy=strategy, residual=residual_dtype(model, sets), loss=args.loss,
                          qkv="views" if docs else qkv_layout(model, attn, sets),  # documents: q, k, v views
+                         **({"fused": fused} if (fused := fused_options(model, sets)) else {}),
                          **({"kernel": kernel} if attn == "flash" else {}),
                          **({"document_mask": True} if docs else {}),
                          **({"interconnect": link} if gpus > 1 and link else {}),

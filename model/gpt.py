@@ -103,7 +103,8 @@ class GPTConfig:
         if self.fused_bias_gelu and (self.mlp != "gelu" or not self.bias):
             raise ModelConfigError(
                 f"model.fused_bias_gelu=true fuses the fc bias of a GELU MLP, but model.mlp={self.mlp} and "
-                f"model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true"
+                f"model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true (or add "
+                f"model.fused_bias_gelu=false: the gpt3-1.3b and gpt3-2.7b presets turn it on)"
             )
         try:
             check_window(self.window)

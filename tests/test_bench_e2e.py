@@ -125,6 +125,23 @@ def test_rows_record_whether_the_blocks_pack_qkv():
     assert e2e.qkv_layout("llama-1b", "flash") == "views"
 
 
+def test_rows_name_the_fused_options_their_config_turned_on():
+    """The GPT3-1.3B and 2.7B presets run model/fusion.py's options; their rows are a case of their own beside the
+    rows measured before, which ran without them and carry no 'fused' field."""
+    both = ["fused_add_norm", "fused_bias_gelu"]
+    assert e2e.fused_options("gpt3-1.3b") == both and e2e.fused_options("gpt3-2.7b") == both
+    assert e2e.fused_options("gpt3-125m") == [] and e2e.fused_options("llama-1b") == []
+    assert e2e.fused_options("gpt3-1.3b", ("fused_bias_gelu=false",)) == ["fused_add_norm"]
+    assert e2e.fused_options("gpt3-350m", ("fused_add_norm=true",)) == ["fused_add_norm"]
+    before = {**_row("pipeline", "flash", 210.0), "kernel": "v35", "residual": "bf16", "qkv": "packed", "loss": "fused"}
+    now = {**before, "fused": both}
+    assert e2e._attention(now) == "flash v35, bf16 residual, qkv packed, fused loss, fused add + norm, fused bias-GELU"
+    assert e2e._key(before) != e2e._key(now)
+    md = e2e.table([before, now])
+    assert "| flash v35, bf16 residual, qkv packed, fused loss | no |" in md
+    assert "| flash v35, bf16 residual, qkv packed, fused loss, fused add + norm, fused bias-GELU | no |" in md
+
+
 def test_document_mask_rows_are_their_own_case_beside_the_unmasked_ones(tmp_path):
     plain, masked = _row("pipeline", "flash", 210.0), {**_row("pipeline", "flash", 200.0), "document_mask": True}
     assert e2e._attention(masked) == "flash, document mask" and e2e._key(plain) != e2e._key(masked)

@@ -194,6 +194,15 @@ def test_fused_bias_gelu_needs_a_gelu_mlp_with_biases(options):
         GPTConfig(fused_bias_gelu=True, **options)
 
 
+def test_a_preset_that_turns_fused_bias_gelu_on_names_the_way_out_with_a_swiglu_mlp():
+    from run_overrides import compose_train
+
+    cfg = compose_train("model=gpt3-1.3b", "model.mlp=swiglu").model
+    with pytest.raises(ModelConfigError, match="add model.fused_bias_gelu=false: the gpt3-1.3b and gpt3-2.7b presets"):
+        GPTConfig(**cfg, vocab_size=50257)
+    assert not GPTConfig(**{**cfg, "fused_bias_gelu": False}, vocab_size=50257).fused_bias_gelu
+
+
 def test_only_calls_with_a_gradient_to_follow_take_the_compiled_kernels(compiles_on_cpu):
     """Training compiles; no_grad and inference_mode calls (validation, sampling) and inputs that need no gradient run
     the plain functions and compile nothing."""
