@@ -43,6 +43,7 @@ TILE_SWITCHES = {  # switch -> (an instantiation file whose tiles it changes, it
     "FLASH_FWD_NONCAUSAL_BC176": ("flash_fwd_hdim128_bf16.cu", 0, "m64n176k16"),
     "FLASH_FWD_NARROW_PV": ("flash_fwd_hdim96_bf16.cu", 1, "m64n96k16"),
     "FLASH_BWD_NARROW_DKV": ("flash_bwd_hdim96_bf16.cu", 1, "m64n96k16"),
+    "FLASH_FWD_HD96_BC192": ("flash_fwd_hdim96_bf16.cu", 0, "m64n192k16"),
 }
 
 

@@ -113,6 +113,9 @@ struct HopperFwdTraits {
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
 // 48 registers instead of 64.
+// FLASH_FWD_HD96_BC192 (off): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
+// intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
+// row max and sum, O's rescale) spread over more keys, and the softmax of S_j under the warpgroup's own P V.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -128,11 +131,15 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_NARROW_PV
 #define FLASH_FWD_NARROW_PV 1
 #endif
+#ifndef FLASH_FWD_HD96_BC192
+#define FLASH_FWD_HD96_BC192 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNonCausalBc176 = FLASH_FWD_NONCAUSAL_BC176 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
+constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -151,10 +158,14 @@ template <typename E> struct HopperFwdConfig<64, E> {
 };
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
-    // hd128's tiles, 6 of 8 k16 steps in Q K^T. 192-key blocks are slower here (hd80 causal at 4k-8k).
-    using Traits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128, kFwdNarrowPv ? 96 : 128>;
-    using ShortTraits = Traits;
-    static constexpr int kLongKeys = 0;
+    // hd128's tiles, 6 of 8 k16 steps in Q K^T and O over 96 columns. 192-key blocks without the narrow P V and
+    // the overlap were slower here (hd80 causal at 4k-8k); with both, FLASH_FWD_HD96_BC192 runs them from 2k keys.
+    static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
+    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128, kVDim>;
+    using Traits = std::conditional_t<kFwdHd96Bc192,  // 225 KB either way
+                                      HopperFwdTraits<128, 192, 2, E, 96, 0, 2, kFwdIntraWgOverlap, kVDim>,
+                                      ShortTraits>;
+    static constexpr int kLongKeys = kFwdHd96Bc192 ? 2048 : 0;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
