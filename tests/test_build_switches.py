@@ -40,7 +40,6 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
 
 
 TILE_SWITCHES = {  # switch -> (an instantiation file whose tiles it changes, its default, the wgmma shape it adds)
-    "FLASH_FWD_NONCAUSAL_BC176": ("flash_fwd_hdim128_bf16.cu", 0, "m64n176k16"),
     "FLASH_FWD_NARROW_PV": ("flash_fwd_hdim96_bf16.cu", 1, "m64n96k16"),
     "FLASH_BWD_NARROW_DKV": ("flash_bwd_hdim96_bf16.cu", 1, "m64n96k16"),
     "FLASH_FWD_HD96_BC192": ("flash_fwd_hdim96_bf16.cu", 0, "m64n192k16"),

@@ -54,8 +54,8 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     }
 }
 
-// The Hopper kernel of HopperFwdConfig for this input: ShortTraits below kLongKeys keys, Traits from there, or
-// NonCausalTraitsOf's for a dense non-causal call (hopper_kernel_traits.h).
+// The Hopper kernel of HopperFwdConfig for this input: ShortTraits below kLongKeys keys, Traits from there
+// (hopper_kernel_traits.h).
 template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
 cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
     if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
@@ -63,11 +63,7 @@ cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t strea
             return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);
         }
     }
-    if constexpr (!kIsCausal && !kVarlenOrLocal) {
-        return launch_fwd_hopper<typename NonCausalTraitsOf<Config>::type, false>(params, stream);
-    } else {
-        return launch_fwd_hopper<typename Config::Traits, kIsCausal, kVarlenOrLocal>(params, stream);
-    }
+    return launch_fwd_hopper<typename Config::Traits, kIsCausal, kVarlenOrLocal>(params, stream);
 }
 
 template <typename Element, int kHeadDim>

@@ -97,8 +97,7 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below; a dense non-causal call from kLongKeys up runs
-// its NonCausalTraits where it names one (NonCausalTraitsOf). Wider key blocks (192 at hd128) cut the
+// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd128) cut the
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
@@ -108,8 +107,6 @@ struct HopperFwdTraits {
 //   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
 //   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd96, hd128 below 2k keys);
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
-// FLASH_FWD_NONCAUSAL_BC176 (off): hd128's dense non-causal calls from 2k keys on 176-key blocks (FA3's non-causal
-// hd128 tile) instead of 192: S_j and P_{j-1} take 132 registers instead of 144 beside acc_o under the overlap.
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
 // 48 registers instead of 64.
@@ -125,9 +122,6 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP_HD64
 #define FLASH_FWD_INTRA_WG_OVERLAP_HD64 0
 #endif
-#ifndef FLASH_FWD_NONCAUSAL_BC176
-#define FLASH_FWD_NONCAUSAL_BC176 0
-#endif
 #ifndef FLASH_FWD_NARROW_PV
 #define FLASH_FWD_NARROW_PV 1
 #endif
@@ -137,7 +131,6 @@ struct HopperFwdTraits {
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
-constexpr bool kFwdNonCausalBc176 = FLASH_FWD_NONCAUSAL_BC176 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
@@ -172,18 +165,8 @@ template <typename E> struct HopperFwdConfig<128, E> {
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
-    using NonCausalTraits = std::conditional_t<kFwdNonCausalBc176,  // 213 KB
-                                               HopperFwdTraits<128, 176, 2, E, 128, 0, 2, kFwdIntraWgOverlap>, Traits>;
     static constexpr int kLongKeys = 2048;
 };
 #endif
-
-// A Hopper forward config's NonCausalTraits, or its Traits where it names none.
-template <typename Config, typename = void>
-struct NonCausalTraitsOf { using type = typename Config::Traits; };
-template <typename Config>
-struct NonCausalTraitsOf<Config, std::void_t<typename Config::NonCausalTraits>> {
-    using type = typename Config::NonCausalTraits;
-};
 
 }  // namespace flash
