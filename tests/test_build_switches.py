@@ -39,16 +39,18 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
     assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"
 
 
-TILE_SWITCHES = {  # switch -> (an instantiation file whose tiles it changes, its default, the wgmma shape it adds)
-    "FLASH_FWD_NARROW_PV": ("flash_fwd_hdim96_bf16.cu", 1, "m64n96k16"),
-    "FLASH_BWD_NARROW_DKV": ("flash_bwd_hdim96_bf16.cu", 1, "m64n96k16"),
-    "FLASH_FWD_HD96_BC192": ("flash_fwd_hdim96_bf16.cu", 0, "m64n192k16"),
-}
+TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the wgmma shape it adds)
+    ("FLASH_FWD_NARROW_PV", "flash_fwd_hdim96_bf16.cu", 1, "m64n96k16"),
+    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, "m64n96k16"),
+    ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 0, "m64n192k16"),
+    ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 0, "m64n80k16"),
+    ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 0, "m64n80k16"),
+]
 
 
-@pytest.mark.parametrize("switch", list(TILE_SWITCHES))
-def test_a_tile_switch_compiles_to_its_wgmma_shape(switch, device_ptx):
-    source, default, shape = TILE_SWITCHES[switch]
+@pytest.mark.parametrize("switch, source, default, shape", TILE_SWITCHES,
+                         ids=[f"{switch}-{source.split('_')[1]}" for switch, source, *_ in TILE_SWITCHES])
+def test_a_tile_switch_compiles_to_its_wgmma_shape(switch, source, default, shape, device_ptx):
     off, on = device_ptx(source, [f"{switch}=0"]), device_ptx(source, [f"{switch}=1"])
     assert f"wgmma.mma_async.sync.aligned.{shape}" in on
     assert f"wgmma.mma_async.sync.aligned.{shape}" not in off

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kDkvDim = Traits::kDkvDim;     // dK's and dV's columns (their wgmmas' N); past it: zeros
     constexpr int kNTilesD = kDkvDim / kMmaN;    // n8 column tiles of dK / dV per warp
     constexpr int kNTilesDq = Traits::kDqCols / kMmaN;
-    constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of lines 11 and 14 (to d_rounded, not the tile width)
+    constexpr int kKStepsD = Traits::kSumDim / kMmaK;  // k16 steps of lines 11 and 14 (to kSumDim, not the tile width)
     constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
     constexpr int kKStepsDq = kBlockN / kMmaK;   // k16 steps of line 16 (keys)
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V

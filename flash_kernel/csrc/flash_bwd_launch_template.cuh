@@ -35,6 +35,18 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     });
 }
 
+// The Hopper kernel of HopperBwdConfig for this input: its NarrowTraits for head dims up to its kNarrowDim, else its
+// Traits (hopper_bwd_traits.h).
+template <typename Config>
+cudaError_t launch_bwd_hopper_config(const BwdParams& params, cudaStream_t stream) {
+    if constexpr (NarrowDimOf<Config>::value > 0) {
+        if (params.d <= NarrowDimOf<Config>::value) {
+            return launch_bwd_hopper<typename Config::NarrowTraits>(params, stream);
+        }
+    }
+    return launch_bwd_hopper<typename Config::Traits>(params, stream);
+}
+
 // Alg. 2 lines 6-20 on sm80+ (flash_bwd_tiled_kernel.cuh): parallel over K/V blocks (or num_splits ordered
 // workers), heads (times the column splits), batch (varlen: sequences, the K/V blocks of max_seqlen_k). Varlen and
 // windowed calls (is_varlen_or_local) run the kernel that reads their bounds at run time.
@@ -101,10 +113,14 @@ cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
     // the sm80 kernel; then dQ = scale * sum_splits(dq_accum) -> input dtype, reading dq_accum in the layout
     // that kernel wrote (dq_accum_layout.h, dq_accum_chunk).
     if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
-        static_assert(HopperBwdConfig<kHeadDim, Element>::Traits::kQKDim == kHeadDim,
+        using HopperConfig = HopperBwdConfig<kHeadDim, Element>;
+        static_assert(HopperConfig::Traits::kQKDim == kHeadDim,
                       "the Hopper kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
+        if constexpr (NarrowDimOf<HopperConfig>::value > 0) {
+            static_assert(HopperConfig::NarrowTraits::kQKDim == kHeadDim, "and so are those of its narrow twin");
+        }
         if (params.use_sm90 && !params.deterministic) {
-            FLASH_RETURN_IF_ERROR((launch_bwd_hopper<typename HopperBwdConfig<kHeadDim, Element>::Traits>(params, stream)));
+            FLASH_RETURN_IF_ERROR((launch_bwd_hopper_config<HopperConfig>(params, stream)));
             return launch_bwd_convert_dq<Element, kHeadDim, true>(params, stream);
         }
     }

@@ -54,16 +54,29 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     }
 }
 
-// The Hopper kernel of HopperFwdConfig for this input: ShortTraits below kLongKeys keys, Traits from there
-// (hopper_kernel_traits.h).
-template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
-cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
-    if constexpr (!std::is_same_v<typename Config::Traits, typename Config::ShortTraits>) {
-        if (params.seqlen_k < Config::kLongKeys) {
-            return launch_fwd_hopper<typename Config::ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);
+// ShortTraits below kLongKeys keys, Traits from there.
+template <typename Traits, typename ShortTraits, int kLongKeys, bool kIsCausal, bool kVarlenOrLocal>
+cudaError_t launch_fwd_hopper_tiles(const FwdParams& params, cudaStream_t stream) {
+    if constexpr (!std::is_same_v<Traits, ShortTraits>) {
+        if (params.seqlen_k < kLongKeys) {
+            return launch_fwd_hopper<ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);
         }
     }
-    return launch_fwd_hopper<typename Config::Traits, kIsCausal, kVarlenOrLocal>(params, stream);
+    return launch_fwd_hopper<Traits, kIsCausal, kVarlenOrLocal>(params, stream);
+}
+
+// The Hopper kernel of HopperFwdConfig for this input: for head dims up to its kNarrowDim its NarrowTraits and
+// NarrowShortTraits, else its Traits and ShortTraits (hopper_kernel_traits.h).
+template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
+cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
+    if constexpr (NarrowDimOf<Config>::value > 0) {
+        if (params.d <= NarrowDimOf<Config>::value) {
+            return launch_fwd_hopper_tiles<typename Config::NarrowTraits, typename Config::NarrowShortTraits,
+                                           Config::kLongKeys, kIsCausal, kVarlenOrLocal>(params, stream);
+        }
+    }
+    return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, Config::kLongKeys, kIsCausal,
+                                   kVarlenOrLocal>(params, stream);
 }
 
 template <typename Element, int kHeadDim>

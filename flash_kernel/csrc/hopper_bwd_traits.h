@@ -23,13 +23,16 @@
 
 namespace flash {
 
-// kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded) that S^T = K Q_i^T and
-// dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96 run the 128-wide tiles with zero columns).
-template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64, int kDkvDim_ = kHeadDim_>
+// kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded), the floats of a dQ row;
+// kSumDim <= kQKDim the columns that S^T = K Q_i^T and dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96
+// run the 128-wide tiles with zero columns; FLASH_NARROW_HD80's twins skip 16 more of them).
+template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64, int kDkvDim_ = kHeadDim_,
+          int kSumDim_ = kQKDim_>
 struct HopperBwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kQKDim = kQKDim_;
+    static constexpr int kSumDim = kSumDim_;
     // dK's and dV's columns, the N of dV += P^T dO_i and dK += dS^T Q_i (<= kHeadDim: the tile's columns past it,
     // zeros from TMA, are not read); dQ keeps whole 64-column blocks per warpgroup.
     static constexpr int kDkvDim = kDkvDim_;
@@ -62,7 +65,8 @@ struct HopperBwdTraits {
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
-    static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
+    static_assert(kQKDim <= kHeadDim && kSumDim % 16 == 0 && kSumDim <= kQKDim &&
+                      kSumDim > kHeadDim - kSwizzleBlockElems,
                   "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
@@ -85,6 +89,10 @@ template <typename E> struct HopperBwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in S^T and dP^T (and, under FLASH_BWD_NARROW_DKV, 96 columns of dK and dV)
     using Traits = HopperBwdTraits<128, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : 128>;
+    // FLASH_NARROW_HD80 (hopper_kernel_traits.h): head dims up to 80 on 5 k16 steps and 80 columns of dK and dV;
+    // dQ's rows stay 96 floats, the rows the convert kernel of this head dim reads.
+    static constexpr int kNarrowDim = kNarrowHd80Dim;
+    using NarrowTraits = HopperBwdTraits<128, E, 96, 64, 80, 80>;
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;

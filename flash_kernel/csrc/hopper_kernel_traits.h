@@ -110,6 +110,10 @@ struct HopperFwdTraits {
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
 // 48 registers instead of 64.
+// FLASH_NARROW_HD80 (off; the forward's and the backward's hd96 configs): head dims 65-80 (GPT3-2.7B's 80) run
+// twins of hd96's kernels whose products over the head dim take 80 columns instead of 96: Q K^T (S^T and dP^T in the
+// backward) in 5 k16 steps instead of 6, O += P V (dV, dK) as n80 wgmmas reading 1.25 of the operand's 64-column
+// blocks. The columns skipped are zeros past d (TMA fills them), so every sum is the same.
 // FLASH_FWD_HD96_BC192 (off): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
 // intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
 // row max and sum, O's rescale) spread over more keys, and the softmax of S_j under the warpgroup's own P V.
@@ -128,11 +132,24 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD96_BC192
 #define FLASH_FWD_HD96_BC192 0
 #endif
+#ifndef FLASH_NARROW_HD80
+#define FLASH_NARROW_HD80 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
+constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
+
+// A Hopper config's kNarrowDim (> 0: head dims up to it run its NarrowTraits, and in the forward its
+// NarrowShortTraits), or 0 where it names none.
+template <typename Config, typename = void>
+struct NarrowDimOf { static constexpr int value = 0; };
+template <typename Config>
+struct NarrowDimOf<Config, std::void_t<decltype(Config::kNarrowDim)>> {
+    static constexpr int value = Config::kNarrowDim;
+};
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -159,6 +176,12 @@ template <typename E> struct HopperFwdConfig<96, E> {
                                       HopperFwdTraits<128, 192, 2, E, 96, 0, 2, kFwdIntraWgOverlap, kVDim>,
                                       ShortTraits>;
     static constexpr int kLongKeys = kFwdHd96Bc192 ? 2048 : 0;
+    // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
+    static constexpr int kNarrowDim = kNarrowHd80Dim;
+    using NarrowShortTraits = HopperFwdTraits<128, 128, 3, E, 80, 0, 2, kFwdIntraWgOverlapBc128, 80>;
+    using NarrowTraits = std::conditional_t<kFwdHd96Bc192,
+                                            HopperFwdTraits<128, 192, 2, E, 80, 0, 2, kFwdIntraWgOverlap, 80>,
+                                            NarrowShortTraits>;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
