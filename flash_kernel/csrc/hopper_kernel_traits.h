@@ -114,6 +114,10 @@ struct HopperFwdTraits {
 // twins of hd96's kernels whose products over the head dim take 80 columns instead of 96: Q K^T (S^T and dP^T in the
 // backward) in 5 k16 steps instead of 6, O += P V (dV, dK) as n80 wgmmas reading 1.25 of the operand's 64-column
 // blocks. The columns skipped are zeros past d (TMA fills them), so every sum is the same.
+// FLASH_FWD_HD96_3WG (off): head dims 65-96 on three consumer warpgroups (192 query rows) x 128-key blocks on 2
+// stages, as hd64 runs, instead of two on 3 stages: with P V, dV and dK narrow, a turn's matmuls are 5/8 (hd80) or
+// 3/4 (hd96) of hd128's against the same softmax, which then hides behind two other warpgroups' turns instead of
+// one (FA4's sm90 forward runs 192-row tiles at head dims up to 96).
 // FLASH_FWD_HD96_BC192 (off): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
 // intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
 // row max and sum, O's rescale) spread over more keys, and the softmax of S_j under the warpgroup's own P V.
@@ -135,11 +139,15 @@ struct HopperFwdTraits {
 #ifndef FLASH_NARROW_HD80
 #define FLASH_NARROW_HD80 0
 #endif
+#ifndef FLASH_FWD_HD96_3WG
+#define FLASH_FWD_HD96_3WG 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
+constexpr bool kFwdHd96ThreeWg = FLASH_FWD_HD96_3WG != 0;
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
 
 // A Hopper config's kNarrowDim (> 0: head dims up to it run its NarrowTraits, and in the forward its
@@ -170,18 +178,22 @@ template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T and O over 96 columns. 192-key blocks without the narrow P V and
     // the overlap were slower here (hd80 causal at 4k-8k); with both, FLASH_FWD_HD96_BC192 runs them from 2k keys.
+    // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (FLASH_FWD_HD96_3WG: three consumer
+    // warpgroups on 2 stages, 176 KB, the consumers' highest register 140 of 160; else two on 3 stages, 225 KB) and
+    // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB).
+    template <int kQK, int kV>
+    using Tile128 = std::conditional_t<kFwdHd96ThreeWg, HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, false, kV>,
+                                       HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>>;
+    template <int kQK, int kV>
+    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 0, 2, kFwdIntraWgOverlap, kV>;
     static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
-    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 96, 0, 2, kFwdIntraWgOverlapBc128, kVDim>;
-    using Traits = std::conditional_t<kFwdHd96Bc192,  // 225 KB either way
-                                      HopperFwdTraits<128, 192, 2, E, 96, 0, 2, kFwdIntraWgOverlap, kVDim>,
-                                      ShortTraits>;
+    using ShortTraits = Tile128<96, kVDim>;
+    using Traits = std::conditional_t<kFwdHd96Bc192, Tile192<96, kVDim>, ShortTraits>;
     static constexpr int kLongKeys = kFwdHd96Bc192 ? 2048 : 0;
     // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
     static constexpr int kNarrowDim = kNarrowHd80Dim;
-    using NarrowShortTraits = HopperFwdTraits<128, 128, 3, E, 80, 0, 2, kFwdIntraWgOverlapBc128, 80>;
-    using NarrowTraits = std::conditional_t<kFwdHd96Bc192,
-                                            HopperFwdTraits<128, 192, 2, E, 80, 0, 2, kFwdIntraWgOverlap, 80>,
-                                            NarrowShortTraits>;
+    using NarrowShortTraits = Tile128<80, 80>;
+    using NarrowTraits = std::conditional_t<kFwdHd96Bc192, Tile192<80, 80>, NarrowShortTraits>;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
