@@ -142,6 +142,12 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD96_3WG
 #define FLASH_FWD_HD96_3WG 0
 #endif
+// FLASH_FWD_HD128_LONG_KEYS (2048): the key count from which the hd128 forward runs its 192-key blocks. A build with a
+// larger value keeps the 128-key blocks (with FLASH_FWD_INTRA_WG_OVERLAP_BC128: FA3's and FA4's hd128 tile, 128 x 128
+// with the intra-warpgroup overlap) at every length it is timed at.
+#ifndef FLASH_FWD_HD128_LONG_KEYS
+#define FLASH_FWD_HD128_LONG_KEYS 2048
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
@@ -200,7 +206,7 @@ template <typename E> struct HopperFwdConfig<128, E> {
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
-    static constexpr int kLongKeys = 2048;
+    static constexpr int kLongKeys = FLASH_FWD_HD128_LONG_KEYS;
 };
 #endif
 
