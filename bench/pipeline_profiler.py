@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from bench.trace import GcPauses, rank_summary
+from bench.trace import GcPauses, activities, rank_summary
 
 
 def overrides(out: str | Path, warmup: int, steps: int, host: bool = False,
@@ -50,14 +50,9 @@ class PipelineProfiler(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._prof is None and not self.done and trainer.global_step == self.warmup:
-            from torch.profiler import ProfilerActivity
-
             self._sync(trainer)
             on_gpu = trainer.strategy.root_device.type == "cuda"  # a CPU run records its ops, and no kernel
-            activities = [ProfilerActivity.CUDA] if on_gpu else []
-            if self.host or not on_gpu:
-                activities.append(ProfilerActivity.CPU)
-            self._prof = torch.profiler.profile(activities=activities)
+            self._prof = torch.profiler.profile(activities=activities(on_gpu, self.host))
             self._prof.__enter__()
             self._gc = GcPauses().__enter__()
             self._t0 = time.perf_counter()

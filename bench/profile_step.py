@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import join_torchrun_group, merge_file, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
-from bench.trace import GcPauses, rank_summary  # noqa: E402
+from bench.trace import GcPauses, activities, rank_summary  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PIPELINE_OUT = RESULTS / "runs" / "profile_pipeline"  # the pipeline's run directory and its profiler's JSON
@@ -75,13 +75,10 @@ def profile(step, warmup: int, steps: int, world: int = 1, host: bool = False,
             trace: Path | None = None) -> dict | None:
     """`warmup` steps, then `steps` steps under torch.profiler (CUDA kernels, and with `host` the host's ops), summed
     up on rank 0 (bench/trace.rank_summary; other ranks: None); `trace`: a directory for each rank's GPU events."""
-    from torch.profiler import ProfilerActivity
-
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]
-    with torch.profiler.profile(activities=activities) as prof, GcPauses() as pauses:
+    with torch.profiler.profile(activities=activities(host=host)) as prof, GcPauses() as pauses:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()

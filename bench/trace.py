@@ -44,6 +44,14 @@ def category(kernel: str) -> str:
     return next((cat for cat, pattern in CATEGORIES if re.search(pattern, name)), "other")
 
 
+def activities(on_gpu: bool = True, host: bool = False) -> list:
+    """What torch.profiler records for a step: the CUDA kernels on a GPU, and the host's ops with `host` (or off the
+    GPU, where there is nothing else to record)."""
+    from torch.profiler import ProfilerActivity
+
+    return [*([ProfilerActivity.CUDA] if on_gpu else []), *([ProfilerActivity.CPU] if host or not on_gpu else [])]
+
+
 def kernel_times(prof, steps: int) -> dict[str, float]:
     """Milliseconds per step of each CUDA kernel name in a finished profiler. The GPU ranges of annotations
     (record_function: "Optimizer.step#AdamW.step", "nccl:_reduce_scatter_base"), which a profiler that records the
