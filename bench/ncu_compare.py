@@ -67,11 +67,13 @@ METRICS = [
     ("grid", "launch__grid_size"),
     ("block", "launch__block_size"),
 ]
-SCALE = {"gpu__time_duration.sum": ("nsecond", 1e-3), "smsp__inst_executed.sum": (None, 1e-6),
-         "lts__t_bytes.sum": ("byte", 1e-6), "dram__bytes.sum": ("byte", 1e-6),
+# The base units under --print-units base, as ncu versions spell them (2025.3.1: "ns", "byte", "byte/block").
+NSECOND, BYTE = ("nsecond", "ns"), ("byte", "B")
+SCALE = {"gpu__time_duration.sum": (NSECOND, 1e-3), "smsp__inst_executed.sum": (None, 1e-6),
+         "lts__t_bytes.sum": (BYTE, 1e-6), "dram__bytes.sum": (BYTE, 1e-6),
          "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum": (None, 1e-6),
          "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum": (None, 1e-6),
-         "launch__shared_mem_per_block_dynamic": ("byte", 1 / 1024)}
+         "launch__shared_mem_per_block_dynamic": (BYTE + ("byte/block",), 1 / 1024)}
 # Stall reasons: cycles a warp waited on each, per instruction it issued (ncu's "Warp State" section).
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 
@@ -121,9 +123,9 @@ def summary(kernel: dict) -> dict:
     for label, metric in METRICS:
         if metric not in values:
             continue
-        unit, scale = SCALE.get(metric, (None, 1.0))
-        if unit is not None and units.get(metric) not in (None, "", unit):
-            raise ValueError(f"{metric} in {units[metric]!r}, expected {unit!r} (ncu's --print-units base)")
+        spellings, scale = SCALE.get(metric, (None, 1.0))
+        if spellings is not None and units.get(metric) not in (None, "", *spellings):
+            raise ValueError(f"{metric} in {units[metric]!r}, expected one of {spellings} (ncu's --print-units base)")
         out[label] = values[metric] * scale
     stalls = {m.group(1): v for name, v in values.items() if (m := STALL.match(name))}
     return {"kernel": kernel["kernel"], "metrics": out, "stalls": dict(sorted(stalls.items(), key=lambda kv: -kv[1]))}

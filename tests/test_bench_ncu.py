@@ -44,6 +44,9 @@ def test_the_summary_scales_to_the_tables_units_and_sorts_the_stalls():
     assert s["metrics"]["instructions (M)"] == pytest.approx(52.0)
     assert "DRAM traffic (MB)" not in s["metrics"]  # not in this profile
     assert list(s["stalls"].items()) == [("wait", 1.5), ("barrier", 0.25)]
+    # ncu 2025.3.1 spells the units of time and of shared memory per block so
+    units_2025_3 = RAW.replace('"nsecond","%","inst","byte","byte"', '"ns","%","inst","byte","byte/block"')
+    assert nc.summary(nc.parse_raw_csv(units_2025_3)[0])["metrics"] == s["metrics"]
     scaled = nc.parse_raw_csv(RAW.replace('"nsecond"', '"usecond"'))[0]
     with pytest.raises(ValueError, match="usecond"):
         nc.summary(scaled)
