@@ -97,7 +97,7 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd128) cut the
+// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd96 and hd128) cut the
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
@@ -110,15 +110,11 @@ struct HopperFwdTraits {
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
 // 48 registers instead of 64.
-// FLASH_NARROW_HD80 (off; the forward's and the backward's hd96 configs): head dims 65-80 (GPT3-2.7B's 80) run
+// FLASH_NARROW_HD80 (on; the forward's and the backward's hd96 configs): head dims 65-80 (GPT3-2.7B's 80) run
 // twins of hd96's kernels whose products over the head dim take 80 columns instead of 96: Q K^T (S^T and dP^T in the
 // backward) in 5 k16 steps instead of 6, O += P V (dV, dK) as n80 wgmmas reading 1.25 of the operand's 64-column
 // blocks. The columns skipped are zeros past d (TMA fills them), so every sum is the same.
-// FLASH_FWD_HD96_3WG (off): head dims 65-96 on three consumer warpgroups (192 query rows) x 128-key blocks on 2
-// stages, as hd64 runs, instead of two on 3 stages: with P V, dV and dK narrow, a turn's matmuls are 5/8 (hd80) or
-// 3/4 (hd96) of hd128's against the same softmax, which then hides behind two other warpgroups' turns instead of
-// one (FA4's sm90 forward runs 192-row tiles at head dims up to 96).
-// FLASH_FWD_HD96_BC192 (off): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
+// FLASH_FWD_HD96_BC192 (on): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
 // intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
 // row max and sum, O's rescale) spread over more keys, and the softmax of S_j under the warpgroup's own P V.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
@@ -134,26 +130,16 @@ struct HopperFwdTraits {
 #define FLASH_FWD_NARROW_PV 1
 #endif
 #ifndef FLASH_FWD_HD96_BC192
-#define FLASH_FWD_HD96_BC192 0
+#define FLASH_FWD_HD96_BC192 1
 #endif
 #ifndef FLASH_NARROW_HD80
-#define FLASH_NARROW_HD80 0
-#endif
-#ifndef FLASH_FWD_HD96_3WG
-#define FLASH_FWD_HD96_3WG 0
-#endif
-// FLASH_FWD_HD128_LONG_KEYS (2048): the key count from which the hd128 forward runs its 192-key blocks. A build with a
-// larger value keeps the 128-key blocks (with FLASH_FWD_INTRA_WG_OVERLAP_BC128: FA3's and FA4's hd128 tile, 128 x 128
-// with the intra-warpgroup overlap) at every length it is timed at.
-#ifndef FLASH_FWD_HD128_LONG_KEYS
-#define FLASH_FWD_HD128_LONG_KEYS 2048
+#define FLASH_NARROW_HD80 1
 #endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
-constexpr bool kFwdHd96ThreeWg = FLASH_FWD_HD96_3WG != 0;
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
 
 // A Hopper config's kNarrowDim (> 0: head dims up to it run its NarrowTraits, and in the forward its
@@ -184,12 +170,11 @@ template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T and O over 96 columns. 192-key blocks without the narrow P V and
     // the overlap were slower here (hd80 causal at 4k-8k); with both, FLASH_FWD_HD96_BC192 runs them from 2k keys.
-    // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (FLASH_FWD_HD96_3WG: three consumer
-    // warpgroups on 2 stages, 176 KB, the consumers' highest register 140 of 160; else two on 3 stages, 225 KB) and
-    // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB).
+    // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (two warpgroups, 3 stages; 225 KB) and
+    // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB). Three warpgroups on 192 query
+    // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
     template <int kQK, int kV>
-    using Tile128 = std::conditional_t<kFwdHd96ThreeWg, HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, false, kV>,
-                                       HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>>;
+    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>;
     template <int kQK, int kV>
     using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 0, 2, kFwdIntraWgOverlap, kV>;
     static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
@@ -206,7 +191,7 @@ template <typename E> struct HopperFwdConfig<128, E> {
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
-    static constexpr int kLongKeys = FLASH_FWD_HD128_LONG_KEYS;
+    static constexpr int kLongKeys = 2048;
 };
 #endif
 
