@@ -5,8 +5,8 @@ unchecked, so nothing else compiles it until a GPU build does. Here nvcc compile
 instantiations to PTX (no ptxas, a few seconds each) with and without the switch: with it, the source must
 compile, and a schedule switch must wait for one wgmma group while another is in flight (`wgmma.wait_group.sync.aligned
 1`: S_j before the warpgroup's own P V in the forward, dV and dQ_i before dK in the backward), a tile switch must
-issue its wgmma shape; without it, neither. A build that names no switch is the build with each switch at the
-default docs/kernel_design.md gives it.
+issue its wgmma shape (or, for a switch of warpgroups, carry its launch bound); without it, neither. A build that
+names no switch is the build with each switch at the default docs/kernel_design.md gives it.
 """
 
 import re
@@ -40,19 +40,20 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
 
 
-TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the wgmma shape it adds)
-    ("FLASH_FWD_NARROW_PV", "flash_fwd_hdim96_bf16.cu", 1, "m64n96k16"),
-    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, "m64n96k16"),
-    ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 1, "m64n192k16"),
-    ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 1, "m64n80k16"),
-    ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, "m64n80k16"),
+WGMMA = "wgmma.mma_async.sync.aligned."
+TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the PTX that marks them)
+    ("FLASH_FWD_NARROW_PV", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16"),
+    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16"),
+    ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n192k16"),
+    ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16"),
+    ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16"),
+    ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 0, ".maxntid 512, 1, 1"),  # a producer + 3 consumers
 ]
 
 
-@pytest.mark.parametrize("switch, source, default, shape", TILE_SWITCHES,
+@pytest.mark.parametrize("switch, source, default, mark", TILE_SWITCHES,
                          ids=[f"{switch}-{source.split('_')[1]}" for switch, source, *_ in TILE_SWITCHES])
-def test_a_tile_switch_compiles_to_its_wgmma_shape(switch, source, default, shape, device_ptx):
+def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, device_ptx):
     off, on = device_ptx(source, [f"{switch}=0"]), device_ptx(source, [f"{switch}=1"])
-    mark = f"wgmma.mma_async.sync.aligned.{shape}"
     assert mark in on and mark not in off
     assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"

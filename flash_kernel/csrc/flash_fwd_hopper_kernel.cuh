@@ -7,6 +7,8 @@
 //     registers for Q or K), fp32 accumulators in registers: 64 query rows x kBlockN keys per warpgroup.
 //   - O += P V: P stays in registers (the accumulator layout of S is wgmma's register A layout, as with
 //     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
+//     Traits::kPSmem: P goes to the warpgroup's own tile in shared memory instead, which the wgmma reads as a
+//     K-major A operand, as it reads Q.
 //   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block) into kNStages stages
 //     each for K and V; each stage has a "full" mbarrier (its bytes landed) and an "empty" one (every consumer
 //     thread, or warp, is done reading it), so no block-wide barrier couples the warpgroups.
@@ -83,6 +85,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const uint32_t sQ = smem_addr(smem);                              // swizzled kBlockM x kHeadDim
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
     const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
+    const uint32_t sP = sV + kNStages * Traits::kSmemKVTileBytes;     // kPSmem: [warpgroup][swizzled 64 x kBlockN]
     const uint32_t bars = sQ + Traits::kSmemTileBytes;                // Traits::kNMbarriers mbarriers of 8 bytes
     const uint32_t full_q = bars + 8 * 4 * kNStages;
     const uint32_t empty_q = full_q + 8;
@@ -244,7 +247,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     float l_i[2];  // this thread's partial sums, quad-reduced at the end
     const float scale_log2 = params.scale_softmax_log2;
     float s[kBlockN / 2];           // S_j accumulators, then P_j = exp(S_j - m) in place
-    uint32_t p[kKStepsN][4];        // P_{j-1} as the register A operand of O += P V
+    constexpr bool kPSmem = Traits::kPSmem;
+    uint32_t p[kPSmem ? 1 : kKStepsN][4];  // P_{j-1} as the register A operand of O += P V (not kPSmem)
+    // kPSmem: this warpgroup's P tile, 64-key column blocks of 64 rows x 128 bytes.
+    const uint32_t sP_wg = sP + wg * Traits::kSmemPTileBytes;
+    constexpr uint32_t kPColBlockBytes = kWarpgroupRows * kSwizzleRowBytes;
 
     // K-major descriptors of this warpgroup's 64 Q rows; K and V descriptors are per stage.
     const uint64_t desc_q = make_smem_desc_sw128(sQ + wg * kWarpgroupRows * kSwizzleRowBytes, 16, kSwizzleAtomBytes);
@@ -256,11 +263,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                                                     desc_advance(desc_k, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32), kk > 0);
         }
     };
-    auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers, V N-major
+    auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers (or sP_wg), V N-major
         const uint64_t desc_v = make_smem_desc_sw128(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, kSwizzleAtomBytes);
+        const uint64_t desc_p = make_smem_desc_sw128(sP_wg, 16, kSwizzleAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsN; ++kk) {
-            Wgmma<Element, kVDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
+            if constexpr (kPSmem) {
+                const uint64_t desc_p_kk = desc_advance(desc_p, (kk / 4) * kPColBlockBytes + (kk % 4) * 32);
+                Wgmma<Element, kVDim>::template ss<1>(acc_o, desc_p_kk, desc_advance(desc_v, kk * kKStepBytesN), 1);
+            } else {
+                Wgmma<Element, kVDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
+            }
         }
     };
     // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
@@ -271,12 +284,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
     int local_len_k = 0, local_co = 0;
     float correction[2];
-    // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk.
+    // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk: four 8x8 matrices (rows
+    // 0-7 and 8-15 of the warp's 16, keys 0-7, then the same rows, keys 8-15). kPSmem: one stmatrix per k-step writes
+    // them to the warp's rows of sP_wg instead, lane l giving the address of row l % 8 of matrix l / 8 (16-byte rows,
+    // one swizzled chunk each: conflict free). Each warp's part of the P V wgmma reads only its own 16 rows of P, so
+    // the warp's own sync publishes them, after the fence that shows the async proxy its writes (FA3's order).
     auto pack_p = [&] {
+        if constexpr (kPSmem) {
+            const int p_row = (my_row - g) % kWarpgroupRows + lane % 8 + 8 * ((lane / 8) % 2);
 #pragma unroll
-        for (int kk = 0; kk < kKStepsN; ++kk) {
+            for (int kk = 0; kk < kKStepsN; ++kk) {
+                uint32_t frag[4];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+                for (int r = 0; r < 4; ++r) frag[r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+                stmatrix_x4(sP_wg + swizzled_chunk_offset<kWarpgroupRows>(p_row, 2 * kk + lane / 16), frag);
+            }
+            fence_view_async_shared();
+            __syncwarp();
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < kKStepsN; ++kk) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+            }
         }
     };
     auto softmax = [&](int n_block, int row0, auto defer_o) {
@@ -478,7 +508,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 mbarrier_wait(full_v(stage), phase_of(n_block));
                 wgmma_wait<0>();
                 pin_registers(acc_o);
-                pin_registers(p);
+                if constexpr (!kPSmem) pin_registers(p);
                 pin_registers(s);
                 release(empty_v(prev));
                 rescale_o_pack_p();
@@ -514,8 +544,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         release(empty_v(last));
 
         // O = O / l, LSE = m * scale + log(l), straight from the accumulators: sQ already holds the next tile's Q,
-        // and every other byte of shared memory is a K/V stage. Each 4-byte store writes 2 columns; a warp's
-        // store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
+        // and every other byte of shared memory is a K/V stage (or a P tile). Each 4-byte store writes 2 columns; a
+        // warp's store covers 16 bytes of 8 rows, which L2 merges with the next column tile's into whole sectors.
         // The tile stores its rows [rows.first, rows.end); out points at the first of them.
         FwdOutRows<Element> out;
         if constexpr (kVarlenOrLocal) {

@@ -2,9 +2,10 @@
 //
 // A thread block is two or three consumer warpgroups of 64 query rows each (kBlockM = 128 or 192) and one producer
 // warpgroup. Each consumer computes its S = Q K^T (64 x kBlockN) with wgmma from shared memory, its softmax in
-// registers, and O += P V with P as the register A operand. The producer streams K and V tiles of kBlockN keys into
-// kNStages stages each by TMA (hopper_tma.h), on full/empty mbarriers per stage. Shared memory holds Q and the K/V
-// stages in the 128B-swizzled layout of hopper_utils.cuh, then the mbarriers.
+// registers, and O += P V with P as the register A operand (kPSmem: from a P tile in shared memory). The producer
+// streams K and V tiles of kBlockN keys into kNStages stages each by TMA (hopper_tma.h), on full/empty mbarriers per
+// stage. Shared memory holds Q, the K/V stages and the P tiles in the 128B-swizzled layout of hopper_utils.cuh, then
+// the mbarriers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,8 +32,12 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // rescale and P_j's packing wait for it. P_{j-1}, S_j and acc_o are then live at once.
 // kVDim <= kHeadDim: the columns of V that O += P V computes (wgmma's N), and acc_o's width; the tile's columns past
 // it (zeros from TMA) are not read.
+// kPSmem: each consumer stores P_j (16-bit) into its own 64 x kBlockN tile of shared memory, K-major like Q, and
+// O += P V reads it there through a descriptor (FA3's and FA4's "not RS" P V). Under the intra-warpgroup overlap
+// P_{j-1} then needs no registers beside S_j and acc_o, which lets three warpgroups' 160 registers hold the overlap
+// at 128-key blocks up to head dim 96 (FA4's sm90 tile there, 192 x 128).
 template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kPolyExpEvery_ = 0,
-          int kNWarpgroups_ = 2, bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_>
+          int kNWarpgroups_ = 2, bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_, bool kPSmem_ = false>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -47,6 +52,7 @@ struct HopperFwdTraits {
     static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
     static constexpr bool kIntraWgOverlap = kIntraWgOverlap_;
+    static constexpr bool kPSmem = kPSmem_;
     // Two smaller changes that ride with the overlap: each consumer warp's lane 0 releases a K, V or Q stage (one
     // mbarrier arrival per warp, after __syncwarp, instead of one per thread), and the row max of S_j runs as
     // kRowMaxChains independent fmaxf chains combined at the end instead of one chain through every column.
@@ -64,12 +70,15 @@ struct HopperFwdTraits {
     // (16-bit pairs, the in-flight P V's A operand), 128 registers at hd64 with 128-key blocks, 208 at hd128 with 192.
     // The rest of the consumer (m_i, l_i, O's correction factors, row limits, addresses, loop state) takes 24-30 more:
     // the consumers use 155-156 of 160 registers at hd64 and 232-238 of 240 at hd128, without spills. With 32 for
-    // the rest, the bound admits at most those two's live arrays at their budgets (128 of 160, 208 of 240).
-    static constexpr int kOverlapLiveRegs = kVDim / 2 + kBlockN / 2 + kBlockN / 4;
+    // the rest, the bound admits at most those two's live arrays at their budgets (128 of 160, 208 of 240). kPSmem:
+    // P_{j-1} is in shared memory, not registers.
+    static constexpr int kOverlapLiveRegs = kVDim / 2 + kBlockN / 2 + (kPSmem ? 0 : kBlockN / 4);
     static constexpr int kOverlapOtherRegs = 32;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
-    static constexpr int kSmemTileBytes = kSmemQBytes + 2 * kNStages * kSmemKVTileBytes;
+    static constexpr int kSmemPTileBytes = kPSmem ? kWarpgroupRows * kBlockN * static_cast<int>(sizeof(Element)) : 0;
+    static constexpr int kSmemTileBytes =
+        kSmemQBytes + 2 * kNStages * kSmemKVTileBytes + kNWarpgroups * kSmemPTileBytes;
     // K full, V full, K empty, V empty per stage; Q full, empty; full and empty per tile slot (the producer's tiles
     // to the consumers, two ahead at most).
     static constexpr int kNTileSlots = 2;
@@ -82,6 +91,7 @@ struct HopperFwdTraits {
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
+    static_assert(!kPSmem || kBlockN % kSwizzleBlockElems == 0, "a P tile is whole 64-key column blocks");
     static_assert(kVDim % 16 == 0 && kVDim <= kHeadDim && kVDim > kHeadDim - kSwizzleBlockElems,
                   "P V's N: whole n16 tiles of O that reach into the tile's last 64-column block");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
@@ -117,6 +127,10 @@ struct HopperFwdTraits {
 // FLASH_FWD_HD96_BC192 (on): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
 // intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
 // row max and sum, O's rescale) spread over more keys, and the softmax of S_j under the warpgroup's own P V.
+// FLASH_FWD_HD96_P_SMEM (off): head dims 65-96 at every length on FA4's sm90 tile there: three consumer warpgroups
+// (192 query rows) x 128-key blocks on 2 stages, P through shared memory (kPSmem) and the intra-warpgroup overlap,
+// 224 KB. Three warpgroups with P in registers cannot hold the overlap in 160 registers, and without it ran slower
+// than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring of three hides.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -135,11 +149,15 @@ struct HopperFwdTraits {
 #ifndef FLASH_NARROW_HD80
 #define FLASH_NARROW_HD80 1
 #endif
+#ifndef FLASH_FWD_HD96_P_SMEM
+#define FLASH_FWD_HD96_P_SMEM 0
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
+constexpr bool kFwdHd96PSmem = FLASH_FWD_HD96_P_SMEM != 0;
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
 
 // A Hopper config's kNarrowDim (> 0: head dims up to it run its NarrowTraits, and in the forward its
@@ -177,14 +195,21 @@ template <typename E> struct HopperFwdConfig<96, E> {
     using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>;
     template <int kQK, int kV>
     using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 0, 2, kFwdIntraWgOverlap, kV>;
+    // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length.
+    template <int kQK, int kV>
+    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, true, kV, true>;
+    template <int kQK, int kV>
+    using Short = std::conditional_t<kFwdHd96PSmem, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
+    template <int kQK, int kV>
+    using Long = std::conditional_t<kFwdHd96Bc192 && !kFwdHd96PSmem, Tile192<kQK, kV>, Short<kQK, kV>>;
     static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
-    using ShortTraits = Tile128<96, kVDim>;
-    using Traits = std::conditional_t<kFwdHd96Bc192, Tile192<96, kVDim>, ShortTraits>;
-    static constexpr int kLongKeys = kFwdHd96Bc192 ? 2048 : 0;
+    using ShortTraits = Short<96, kVDim>;
+    using Traits = Long<96, kVDim>;
+    static constexpr int kLongKeys = std::is_same_v<Traits, ShortTraits> ? 0 : 2048;
     // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
     static constexpr int kNarrowDim = kNarrowHd80Dim;
-    using NarrowShortTraits = Tile128<80, 80>;
-    using NarrowTraits = std::conditional_t<kFwdHd96Bc192, Tile192<80, 80>, NarrowShortTraits>;
+    using NarrowShortTraits = Short<80, 80>;
+    using NarrowTraits = Long<80, 80>;
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;

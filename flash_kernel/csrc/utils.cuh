@@ -115,6 +115,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+// ldmatrix_x4's inverse: matrix i of the four (this thread's part r[i], the m16n8 C layout's pair) goes to the 8
+// rows whose addresses lanes 8i..8i+7 give.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
 
 // ldmatrix.x4 (kTrans: .trans) at (addr + add) ^ x, the add and the XOR inside the asm statement, so that the
 // compiler can neither hoist nor share the XORed addresses of a loop's ldmatrix walk: it recomputes them for every
