@@ -36,6 +36,7 @@
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "causal_order.h"
 #include "flash_bwd_common.cuh"
@@ -66,7 +67,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kNTilesM = kBlockM / kMmaN;    // n8 column tiles (queries) of S^T / dP^T per warp
     constexpr int kDkvDim = Traits::kDkvDim;     // dK's and dV's columns (their wgmmas' N); past it: zeros
     constexpr int kNTilesD = kDkvDim / kMmaN;    // n8 column tiles of dK / dV per warp
-    constexpr int kNTilesDq = Traits::kDqCols / kMmaN;
     constexpr int kKStepsD = Traits::kSumDim / kMmaK;  // k16 steps of lines 11 and 14 (to kSumDim, not the tile width)
     constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
     constexpr int kKStepsDq = kBlockN / kMmaK;   // k16 steps of line 16 (keys)
@@ -354,44 +354,56 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (tid == 0) bulk_wait_group_read<0>();
         fence_view_async_shared();
         __syncthreads();
-        float dq[Traits::kDqCols / 2];
-        wgmma_fence();
+        // This warpgroup's dQ_i into dq, kCols columns: issued, completed (kDqBeforeDk: with dK behind it) and
+        // stored. The last warpgroup's are Traits::kDqColsLast, fewer where FLASH_BWD_NARROW_DQ leaves out K's zero
+        // columns; each width has an array of its own (one array for both makes ptxas serialize the wgmmas).
+        auto dq_tile = [&](auto& dq) {
+            constexpr int kCols = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(dq)>>);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kKStepsDq; ++kk) {
-            Wgmma<Element, Traits::kDqCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kKStepRowsBytes),
-                                                                desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
-        }
-        wgmma_commit();
-        if constexpr (Traits::kDqBeforeDk) {
-            // Line 17 as the third group: dV and dQ_i complete, dK += dS^T Q_i runs under the dQ_i stores below.
-            issue_dk();
+            for (int kk = 0; kk < kKStepsDq; ++kk) {
+                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kKStepRowsBytes),
+                                                         desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
+            }
             wgmma_commit();
-            wgmma_wait<1>();
-            pin_registers(acc_dv);
-            pin_registers(dq);
-            pin_registers(p_frag);
-        } else {
-            wgmma_wait<0>();
-            pin_registers(acc_dv);
-            pin_registers(acc_dk);
-            pin_registers(dq);
-            pin_registers(p_frag);
-            pin_registers(ds_frag);
-        }
-        // To this warpgroup's part of sdQ (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t + {0, 1});
-        // columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
-        // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
+            if constexpr (Traits::kDqBeforeDk) {
+                // Line 17 as the third group: dV and dQ_i complete, dK += dS^T Q_i runs under the dQ_i stores below.
+                issue_dk();
+                wgmma_commit();
+                wgmma_wait<1>();
+                pin_registers(acc_dv);
+                pin_registers(dq);
+                pin_registers(p_frag);
+            } else {
+                wgmma_wait<0>();
+                pin_registers(acc_dv);
+                pin_registers(acc_dk);
+                pin_registers(dq);
+                pin_registers(p_frag);
+                pin_registers(ds_frag);
+            }
+            // To this warpgroup's part of sdQ (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t + {0, 1});
+            // columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
+            // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = dq_row0 + wg_row + 8 * r;
+            for (int r = 0; r < 2; ++r) {
+                const int row = dq_row0 + wg_row + 8 * r;
 #pragma unroll
-            for (int i = 0; i < kNTilesDq; ++i) {
-                const int col = dq_col0 + i * kMmaN + 2 * t;
-                if (col < kDqRow) {  // 8-byte stores by asm: through a float2 pointer nvcc splits half of them in two
-                    st_shared_f32x2(sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4),
-                                    dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                for (int i = 0; i < kCols / kMmaN; ++i) {
+                    const int col = dq_col0 + i * kMmaN + 2 * t;
+                    if (col < kDqRow) {  // 8-byte stores by asm: through a float2 pointer nvcc splits half of them
+                        st_shared_f32x2(sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4),
+                                        dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                    }
                 }
             }
+        };
+        if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
+            float dq[Traits::kDqCols / 2];
+            dq_tile(dq);
+        } else {
+            float dq[Traits::kDqColsLast / 2];
+            dq_tile(dq);
         }
         fence_view_async_shared();
         if constexpr (Traits::kDqBeforeDk) {

@@ -20,6 +20,13 @@
 #ifndef FLASH_BWD_NARROW_DKV
 #define FLASH_BWD_NARROW_DKV 1
 #endif
+// FLASH_BWD_NARROW_DQ (off): where the warpgroups split dQ_i by columns and the head dim is not two whole 64-column
+// blocks (hd65-96: dQ rows of 96 floats), the last warpgroup computes only the columns up to kQKDim (n32 instead of
+// n64; the other keeps its 64): dQ's tensor work per iteration 128 -> 96 columns, a quarter less, 6-7% of the
+// iteration's (FA4's sm90 backward at these head dims computes dQ as one n96 on one warpgroup instead).
+#ifndef FLASH_BWD_NARROW_DQ
+#define FLASH_BWD_NARROW_DQ 0
+#endif
 
 namespace flash {
 
@@ -51,6 +58,9 @@ struct HopperBwdTraits {
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
+    // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N).
+    static constexpr int kDqColsLast =
+        FLASH_BWD_NARROW_DQ != 0 && !kDqSplitQueries ? kQKDim - (kNWarpgroups - 1) * kDqCols : kDqCols;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
@@ -70,6 +80,8 @@ struct HopperBwdTraits {
                   "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
+    static_assert(kDqColsLast % 16 == 0 && kDqColsLast > 0 && kDqColsLast <= kDqCols,
+                  "the last warpgroup's dQ columns: whole n16 tiles of its 64-column block");
     static_assert(kQKDim % 32 == 0, "sdQ rows of whole 8-chunk groups (dq_accum_chunk's swizzle)");
     static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kSwizzleBlockElems,
                   "dK's and dV's N: whole n16 tiles that reach into the tile's last 64-column block");
