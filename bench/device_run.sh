@@ -128,8 +128,10 @@ candidate)
     # Inside the tree and ignored: a warm machine keeps it between calls, and ninja rebuilds only what changed.
     dir=$PWD/flash_kernel/_candidate
     # CANDIDATE_SRC: the tree whose flash_kernel/ (sources and build script) the candidate is built from.
-    (cd "${CANDIDATE_SRC:-.}" && FLASH_KERNEL_NVCC_EXTRA="$flags" step 300 build_candidate $PY -m flash_kernel.build --out "$dir") \
-        || exit 1
+    # CANDIDATE_ARCHS (default 90a): a candidate runs on this Hopper machine only, so one target instead of the
+    # package's two halves its compile (its sm80 kernels, run by kernel_overrides, are compiled for sm_90a).
+    (cd "${CANDIDATE_SRC:-.}" && FLASH_KERNEL_ARCHS="${CANDIDATE_ARCHS:-90a}" FLASH_KERNEL_NVCC_EXTRA="$flags" \
+        step 300 build_candidate $PY -m flash_kernel.build --out "$dir") || exit 1
     so=$(ls "$dir"/_C*.so)
     case "$what" in
     test)
