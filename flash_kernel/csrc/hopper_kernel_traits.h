@@ -131,6 +131,8 @@ struct HopperFwdTraits {
 // (192 query rows) x 128-key blocks on 2 stages, P through shared memory (kPSmem) and the intra-warpgroup overlap,
 // 224 KB. Three warpgroups with P in registers cannot hold the overlap in 160 registers, and without it ran slower
 // than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring of three hides.
+// FLASH_FWD_HD96_POLY_EXP (0, off; N > 0): head dims 65-96 compute the exponentials of every N-th n8 tile of S by
+// polynomial on the FMA pipe, as hd64 does with 8: a turn's matmuls there are as short against its exponentials.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -151,6 +153,9 @@ struct HopperFwdTraits {
 #endif
 #ifndef FLASH_FWD_HD96_P_SMEM
 #define FLASH_FWD_HD96_P_SMEM 0
+#endif
+#ifndef FLASH_FWD_HD96_POLY_EXP
+#define FLASH_FWD_HD96_POLY_EXP 0
 #endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
@@ -191,13 +196,14 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (two warpgroups, 3 stages; 225 KB) and
     // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB). Three warpgroups on 192 query
     // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
+    static constexpr int kPoly = FLASH_FWD_HD96_POLY_EXP;
     template <int kQK, int kV>
-    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>;
+    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, kPoly, 2, kFwdIntraWgOverlapBc128, kV>;
     template <int kQK, int kV>
-    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 0, 2, kFwdIntraWgOverlap, kV>;
+    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, kPoly, 2, kFwdIntraWgOverlap, kV>;
     // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length.
     template <int kQK, int kV>
-    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, true, kV, true>;
+    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, kPoly, 3, true, kV, true>;
     template <int kQK, int kV>
     using Short = std::conditional_t<kFwdHd96PSmem, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
