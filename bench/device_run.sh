@@ -20,6 +20,9 @@
 #                                                    # racecheck on it)
 #   bash bench/device_run.sh candidate "NVCC FLAGS" kernel [kernel.py args]  # the same build timed in turn with
 #                                                    # the package's (and FA4 where it imports) on the same tensors
+#   bash bench/device_run.sh candidates "FLAGS A" "FLAGS B" ... -- [kernel.py args]  # several candidates built at
+#                                                    # once (the package's build beside them, the cores shared), then
+#                                                    # each timed as `candidate ... kernel` times one
 #   CANDIDATE_SRC=.baseline bash bench/device_run.sh candidate "" kernel ...  # the candidate built from another
 #                                                    # tree's flash_kernel/ instead: `make baseline REV=<commit>`
 #                                                    # puts a commit's in .baseline/ (ignored: carry it), so the
@@ -39,7 +42,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
-stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|ncu|e2e|multi|launchers [args]}
+stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|candidates|ncu|e2e|multi|launchers [args]}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -160,6 +163,32 @@ candidate)
         ;;
     esac
     ;;
+candidates)
+    sets=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do sets+=("$1"); shift; done
+    [ $# -gt 0 ] && shift  # the "--" before kernel.py's arguments
+    [ ${#sets[@]} -gt 0 ] || { echo "candidates: name at least one set of nvcc flags" >&2; exit 2; }
+    # One compile per core: each of the builds gets its share (a candidate alone takes the package's build's time).
+    jobs=$(( $(nproc) / (${#sets[@]} + 1) ))
+    [ "$jobs" -ge 1 ] || jobs=1
+    MAX_JOBS=$jobs make PYTHON="$PY" build >"$OUT/build.log" 2>&1 &
+    pids=($!)
+    for n in "${!sets[@]}"; do
+        FLASH_KERNEL_ARCHS="${CANDIDATE_ARCHS:-90a}" FLASH_KERNEL_NVCC_EXTRA="${sets[$n]}" MAX_JOBS=$jobs timeout 600 \
+            $PY -m flash_kernel.build --out "$PWD/flash_kernel/_candidate_$n" >"$OUT/build_candidate_$n.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" || { echo "candidates: a build failed" >&2; tail -n 5 "$OUT"/build*.log; exit 1; }
+    done
+    for n in "${!sets[@]}"; do
+        echo "### candidate $n: ${sets[$n]}"
+        so=$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)
+        step 540 "kernel_candidate_$n" $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 \
+            --rounds 3 --results "$OUT/candidate_$n.json" "$@"
+        grep -E "^\||^###" "$OUT/kernel_candidate_$n.log" | tail -n 60
+    done
+    ;;
 ncu)
     build_quietly
     log="ncu_$(ls "$OUT"/ncu_*.log 2>/dev/null | wc -l)"  # one log per stage run when stages are chained
@@ -195,7 +224,8 @@ launchers)
     grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
     ;;
 *)
-    echo "unknown stage $stage (check | python | kernel | varlen | candidate | ncu | e2e | multi | launchers)" >&2
+    echo "unknown stage $stage (check | python | kernel | varlen | candidate | candidates | ncu | e2e | multi |" \
+        "launchers)" >&2
     exit 2
     ;;
 esac
