@@ -76,6 +76,14 @@ train_per_attention() {  # train_per_attention <limit s> <steps> <attention...>:
     done
 }
 
+time_candidate() {  # time_candidate <name> <.so> [kernel.py args]: the build beside the package's (and FA4)
+    local name=$1 so=$2
+    shift 2
+    step 540 "kernel_$name" $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 --rounds 3 \
+        --results "$OUT/$name.json" "$@"  # a run's output: beside its logs, not in bench/results
+    grep -E "^\||^###" "$OUT/kernel_$name.log" | tail -n 60
+}
+
 data_quietly() {  # the stages that train through the real pipeline need the default data prepared
     step 300 data make PYTHON="$PY" data >/dev/null || { tail "$OUT/data.log"; exit 1; }
 }
@@ -153,9 +161,7 @@ candidate)
         done
         ;;
     kernel)
-        step 540 kernel_candidate $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 \
-            --rounds 3 --results "$OUT/candidate.json" "$@"  # a run's output: beside its logs, not in bench/results
-        grep -E "^\||^###" "$OUT/kernel_candidate.log" | tail -n 60
+        time_candidate candidate "$so" "$@"
         ;;
     *)
         echo "candidate: say test, sanitize or kernel after the flags" >&2
@@ -183,10 +189,7 @@ candidates)
     done
     for n in "${!sets[@]}"; do
         echo "### candidate $n: ${sets[$n]}"
-        so=$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)
-        step 540 "kernel_candidate_$n" $PY bench/kernel.py --candidate "$so" --methods ours ours_candidate fa4 \
-            --rounds 3 --results "$OUT/candidate_$n.json" "$@"
-        grep -E "^\||^###" "$OUT/kernel_candidate_$n.log" | tail -n 60
+        time_candidate "candidate_$n" "$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)" "$@"
     done
     ;;
 ncu)
