@@ -20,12 +20,12 @@
 #ifndef FLASH_BWD_NARROW_DKV
 #define FLASH_BWD_NARROW_DKV 1
 #endif
-// FLASH_BWD_NARROW_DQ (off): where the warpgroups split dQ_i by columns and the head dim is not two whole 64-column
+// FLASH_BWD_NARROW_DQ (on): where the warpgroups split dQ_i by columns and the head dim is not two whole 64-column
 // blocks (hd65-96: dQ rows of 96 floats), the last warpgroup computes only the columns up to kQKDim (n32 instead of
 // n64; the other keeps its 64): dQ's tensor work per iteration 128 -> 96 columns, a quarter less, 6-7% of the
 // iteration's (FA4's sm90 backward at these head dims computes dQ as one n96 on one warpgroup instead).
 #ifndef FLASH_BWD_NARROW_DQ
-#define FLASH_BWD_NARROW_DQ 0
+#define FLASH_BWD_NARROW_DQ 1
 #endif
 
 namespace flash {

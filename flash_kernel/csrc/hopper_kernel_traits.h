@@ -107,7 +107,7 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd96 and hd128) cut the
+// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd65-80, hd128) cut the
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
@@ -115,7 +115,7 @@ struct HopperFwdTraits {
 // intra-warpgroup overlap>:
 // The intra-warpgroup overlap, one build switch per tile (docs/kernel_design.md, "Build switches"):
 //   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
-//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd96, hd128 below 2k keys);
+//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd65-80, hd128 below 2k keys);
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
@@ -124,15 +124,15 @@ struct HopperFwdTraits {
 // twins of hd96's kernels whose products over the head dim take 80 columns instead of 96: Q K^T (S^T and dP^T in the
 // backward) in 5 k16 steps instead of 6, O += P V (dV, dK) as n80 wgmmas reading 1.25 of the operand's 64-column
 // blocks. The columns skipped are zeros past d (TMA fills them), so every sum is the same.
-// FLASH_FWD_HD96_BC192 (on): head dims 65-96 from 2k keys on hd128's long tile (192-key blocks, 2 stages, the
-// intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
-// row max and sum, O's rescale) spread over more keys, and the softmax of S_j under the warpgroup's own P V.
-// FLASH_FWD_HD96_P_SMEM (off): head dims 65-96 at every length on FA4's sm90 tile there: three consumer warpgroups
+// FLASH_FWD_HD96_BC192 (on): head dims 65-80 (65-96 without FLASH_FWD_HD96_P_SMEM) from 2k keys on hd128's long
+// tile (192-key blocks, 2 stages, the intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key,
+// each turn's fixed work (barriers, row max and sum, O's rescale) spread over more keys, and the softmax of S_j under
+// the warpgroup's own P V.
+// FLASH_FWD_HD96_P_SMEM (on): head dims 81-96 at every length on FA4's sm90 tile there: three consumer warpgroups
 // (192 query rows) x 128-key blocks on 2 stages, P through shared memory (kPSmem) and the intra-warpgroup overlap,
 // 224 KB. Three warpgroups with P in registers cannot hold the overlap in 160 registers, and without it ran slower
 // than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring of three hides.
-// FLASH_FWD_HD96_POLY_EXP (0, off; N > 0): head dims 65-96 compute the exponentials of every N-th n8 tile of S by
-// polynomial on the FMA pipe, as hd64 does with 8: a turn's matmuls there are as short against its exponentials.
+// FLASH_NARROW_HD80's twins keep the two-warpgroup tiles: on this one they were no faster.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -152,10 +152,7 @@ struct HopperFwdTraits {
 #define FLASH_NARROW_HD80 1
 #endif
 #ifndef FLASH_FWD_HD96_P_SMEM
-#define FLASH_FWD_HD96_P_SMEM 0
-#endif
-#ifndef FLASH_FWD_HD96_POLY_EXP
-#define FLASH_FWD_HD96_POLY_EXP 0
+#define FLASH_FWD_HD96_P_SMEM 1
 #endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
@@ -196,22 +193,24 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (two warpgroups, 3 stages; 225 KB) and
     // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB). Three warpgroups on 192 query
     // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
-    static constexpr int kPoly = FLASH_FWD_HD96_POLY_EXP;
     template <int kQK, int kV>
-    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, kPoly, 2, kFwdIntraWgOverlapBc128, kV>;
+    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>;
     template <int kQK, int kV>
-    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, kPoly, 2, kFwdIntraWgOverlap, kV>;
-    // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length.
+    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 0, 2, kFwdIntraWgOverlap, kV>;
+    // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length, for Q K^T over
+    // 96 columns (head dims 81-96) only.
     template <int kQK, int kV>
-    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, kPoly, 3, true, kV, true>;
+    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, true, kV, true>;
+    template <int kQK>
+    static constexpr bool kPSmem = kFwdHd96PSmem && kQK == 96;
     template <int kQK, int kV>
-    using Short = std::conditional_t<kFwdHd96PSmem, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
+    using Short = std::conditional_t<kPSmem<kQK>, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
-    using Long = std::conditional_t<kFwdHd96Bc192 && !kFwdHd96PSmem, Tile192<kQK, kV>, Short<kQK, kV>>;
+    using Long = std::conditional_t<kFwdHd96Bc192 && !kPSmem<kQK>, Tile192<kQK, kV>, Short<kQK, kV>>;
     static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
-    static constexpr int kLongKeys = std::is_same_v<Traits, ShortTraits> ? 0 : 2048;
+    static constexpr int kLongKeys = 2048;  // where Long and Short differ (launch_fwd_hopper_tiles)
     // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
     static constexpr int kNarrowDim = kNarrowHd80Dim;
     using NarrowShortTraits = Short<80, 80>;
