@@ -1,5 +1,5 @@
 """Shared test fixtures: `data_cache` for CPU training runs (tests/run_overrides.py writes their overrides); `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include
-kernel headers, so no GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to PTX."""
+kernel headers, so no GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to PTX, `host_object` with its host code."""
 
 import os
 import shutil
@@ -54,6 +54,22 @@ def device_ptx(tmp_path):
                                 str(CSRC / source), "-o", str(ptx)], capture_output=True, text=True)
         assert build.returncode == 0, build.stderr[-3000:]
         return ptx.read_text()
+
+    return run
+
+
+@pytest.fixture
+def host_object(tmp_path):
+    """host_object("flash_fwd_hdim96_bf16.cu") compiles that csrc file as the build does, host code included, for
+    sm_90a's PTX (no ptxas), and fails with nvcc's errors: the host compiler parses templates the device pass took."""
+    nvcc = _nvcc("compiles the kernel files' host code")
+
+    def run(source: str, defines: list[str] = ()) -> None:
+        build = subprocess.run([nvcc, "-c", "-std=c++17", "-O0", "-gencode", "arch=compute_90a,code=compute_90a",
+                                "-DFLASH_KERNEL_SM90A", "--expt-relaxed-constexpr", *(f"-D{d}" for d in defines),
+                                f"-I{CSRC}", str(CSRC / source), "-o", str(tmp_path / f"{Path(source).stem}.o")],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr[-3000:]
 
     return run
 

@@ -201,12 +201,11 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // 96 columns (head dims 81-96) only.
     template <int kQK, int kV>
     using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, true, kV, true>;
-    template <int kQK>
-    static constexpr bool kPSmem = kFwdHd96PSmem && kQK == 96;
     template <int kQK, int kV>
-    using Short = std::conditional_t<kPSmem<kQK>, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
+    using Short = std::conditional_t<kFwdHd96PSmem && kQK == 96, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
-    using Long = std::conditional_t<kFwdHd96Bc192 && !kPSmem<kQK>, Tile192<kQK, kV>, Short<kQK, kV>>;
+    using Long = std::conditional_t<kFwdHd96Bc192 && !(kFwdHd96PSmem && kQK == 96), Tile192<kQK, kV>,
+                                    Short<kQK, kV>>;
     static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
