@@ -79,12 +79,16 @@ def wrapper(elem: str, ptx: str, n: int) -> str:
     )
 
 
-def main() -> None:
+def render() -> str:
+    """wgmma.cuh's text."""
     body = "\n".join(wrapper(elem, ptx, n) for elem, ptx in TYPES for n in N_LIST)
-    text = HEADER + "\n" + body + "\n}  // namespace flash\n"
+    return HEADER + "\n" + body + "\n}  // namespace flash\n"
+
+
+def main() -> None:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wgmma.cuh")
     with open(out, "w") as f:
-        f.write(text)
+        f.write(render())
     print(f"wrote {out}")
 
 
