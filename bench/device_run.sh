@@ -23,6 +23,9 @@
 #   bash bench/device_run.sh candidates "FLAGS A" "FLAGS B" ... -- [kernel.py args]  # several candidates built at
 #                                                    # once (the package's build beside them, the cores shared), then
 #                                                    # each timed as `candidate ... kernel` times one
+#   bash bench/device_run.sh candidates "FLAGS A" "FLAGS B" ... -- test   # the same builds (a warm machine keeps
+#                                                    # them), the GPU kernel tests on all of them at once (`-- sanitize`:
+#                                                    # memcheck on all at once, then racecheck on all at once)
 #   CANDIDATE_SRC=.baseline bash bench/device_run.sh candidate "" kernel ...  # the candidate built from another
 #                                                    # tree's flash_kernel/ instead: `make baseline REV=<commit>`
 #                                                    # puts a commit's in .baseline/ (ignored: carry it), so the
@@ -74,6 +77,38 @@ train_per_attention() {  # train_per_attention <limit s> <steps> <attention...>:
             trainer.val_check_interval=$((steps / 2)) ~callbacks.progress_bar
         grep -E "^done:|error" "$OUT/train_$attn.log" | tail -n 2
     done
+}
+
+candidate_tests() {  # candidate_tests <name>=<.so>...: the GPU kernel tests on each build, all at once
+    # pytest-xdist, where installed: the small cases leave one GPU mostly idle, so TEST_WORKERS processes per build
+    # (default 4; 0 runs them in the build's own process) share it.
+    local workers=() pids=() pair pid rc=0
+    if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
+    for pair in "$@"; do
+        FLASH_KERNEL_EXT="${pair#*=}" step 480 "test_${pair%%=*}" $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs \
+            tests/kernel &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    for pair in "$@"; do echo "${pair%%=*}: $(tail -n 1 "$OUT/test_${pair%%=*}.log")"; done
+    return $rc
+}
+
+candidate_sanitizers() {  # candidate_sanitizers <name>=<.so>...: memcheck on each build at once, then racecheck
+    local tool pair pid pids rc=0
+    for tool in memcheck racecheck; do
+        pids=()
+        for pair in "$@"; do
+            FLASH_KERNEL_EXT="${pair#*=}" step 540 "${tool}_${pair%%=*}" compute-sanitizer --tool $tool \
+                --error-exitcode 1 $PY -m flash_kernel.sanitize &
+            pids+=($!)
+        done
+        for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+        for pair in "$@"; do
+            echo "${pair%%=*}: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/${tool}_${pair%%=*}.log" | tail -n 1)"
+        done
+    done
+    return $rc
 }
 
 time_candidate() {  # time_candidate <name> <.so> [kernel.py args]: the build beside the package's (and FA4)
@@ -146,19 +181,10 @@ candidate)
     so=$(ls "$dir"/_C*.so)
     case "$what" in
     test)
-        # pytest-xdist, where installed: the small cases leave one GPU mostly idle, so TEST_WORKERS processes
-        # (default 4; 0 runs them in this process) share it.
-        workers=()
-        if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
-        FLASH_KERNEL_EXT="$so" step 420 test_candidate $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs tests/kernel
-        tail -n 4 "$OUT/test_candidate.log"
+        candidate_tests "candidate=$so"
         ;;
     sanitize)
-        for tool in memcheck racecheck; do
-            FLASH_KERNEL_EXT="$so" step 240 "${tool}_candidate" compute-sanitizer --tool $tool --error-exitcode 1 \
-                $PY -m flash_kernel.sanitize
-            grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/${tool}_candidate.log" | tail -n 2
-        done
+        candidate_sanitizers "candidate=$so"
         ;;
     kernel)
         time_candidate candidate "$so" "$@"
@@ -172,7 +198,7 @@ candidate)
 candidates)
     sets=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do sets+=("$1"); shift; done
-    [ $# -gt 0 ] && shift  # the "--" before kernel.py's arguments
+    [ $# -gt 0 ] && shift  # the "--" before kernel.py's arguments, or test, or sanitize
     [ ${#sets[@]} -gt 0 ] || { echo "candidates: name at least one set of nvcc flags" >&2; exit 2; }
     # One compile per core: each of the builds gets its share (a candidate alone takes the package's build's time).
     jobs=$(( $(nproc) / (${#sets[@]} + 1) ))
@@ -187,10 +213,21 @@ candidates)
     for pid in "${pids[@]}"; do
         wait "$pid" || { echo "candidates: a build failed" >&2; tail -n 5 "$OUT"/build*.log; exit 1; }
     done
+    builds=()
     for n in "${!sets[@]}"; do
-        echo "### candidate $n: ${sets[$n]}"
-        time_candidate "candidate_$n" "$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)" "$@"
+        echo "candidate_$n: ${sets[$n]}"
+        builds+=("candidate_$n=$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)")
     done
+    case "${1:-}" in
+    test) candidate_tests "${builds[@]}" ;;
+    sanitize) candidate_sanitizers "${builds[@]}" ;;
+    *)
+        for pair in "${builds[@]}"; do
+            echo "### ${pair%%=*}"
+            time_candidate "${pair%%=*}" "${pair#*=}" "$@"
+        done
+        ;;
+    esac
     ;;
 ncu)
     build_quietly
