@@ -24,8 +24,8 @@
 #                                                    # once (the package's build beside them, the cores shared), then
 #                                                    # each timed as `candidate ... kernel` times one
 #   bash bench/device_run.sh candidates "FLAGS A" "FLAGS B" ... -- test   # the same builds (a warm machine keeps
-#                                                    # them), the GPU kernel tests on all of them at once (`-- sanitize`:
-#                                                    # memcheck on all at once, then racecheck on all at once)
+#                                                    # them), the GPU kernel tests on all of them at once
+#                                                    # (`-- sanitize`: memcheck on all at once, then racecheck)
 #   CANDIDATE_SRC=.baseline bash bench/device_run.sh candidate "" kernel ...  # the candidate built from another
 #                                                    # tree's flash_kernel/ instead: `make baseline REV=<commit>`
 #                                                    # puts a commit's in .baseline/ (ignored: carry it), so the

@@ -1,5 +1,7 @@
-"""Shared test fixtures: `data_cache` for CPU training runs (tests/run_overrides.py writes their overrides); `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include
-kernel headers, so no GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to PTX, `host_object` with its host code."""
+"""Shared test fixtures: `data_cache` for CPU training runs (tests/run_overrides.py writes their overrides);
+`host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include kernel headers, so no
+GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to PTX, `host_object` with its host
+code."""
 
 import os
 import shutil
