@@ -4,8 +4,8 @@
 // (64 at hd128, 128 at hd64). Two warpgroups each own 64 of the keys: their S^T, dP^T (64 keys x kBlockM
 // queries) and dK, dV (64 keys x head dim) are wgmma accumulators in registers. dQ_i = dS_i K_j needs every key
 // of the block, so dS^T goes through shared memory, and the two warpgroups split dQ's work by queries (kBlockM
-// = 128: each 64 queries x the head dim) or by columns (kBlockM = 64: each 64 queries x half the head dim, which
-// needs a head dim of two 64-column blocks).
+// = 128: each 64 queries x the head dim) or by columns (kBlockM = 64: 64 queries x 64 columns each at hd128; at
+// hd65-96, on the 128-wide tiles, the second warpgroup's columns stop at 96 with FLASH_BWD_NARROW_DQ).
 #pragma once
 
 #include "hopper_kernel_traits.h"  // kWarpgroupThreads, kWarpgroupRows, kMaxSmemBytesSm90
