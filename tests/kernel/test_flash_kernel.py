@@ -33,7 +33,8 @@ SMALL_SEQLENS = [
     (1, 113), (113, 1), (17, 255), (255, 17), (113, 203), (203, 113),
 ]  # fmt: skip
 LONG_SEQLENS = [(1023, 1023), (2049, 2049), (3000, 3000), (1023, 3000), (3000, 1023)]
-ODD_HEAD_DIMS = [8, 40, 72, 120, 200, 248]  # multiples of 8 the kernel must round up to its tile inside
+ODD_HEAD_DIMS = [8, 40, 72, 88, 120, 200, 248]  # multiples of 8 the kernel must round up to its tile inside
+# (88: hd81-96's three-warpgroup Hopper forward tile with zero columns past d)
 HKV = 2  # kv heads; Hq = HKV * gqa
 ABS_SLACK = 1e-4
 LSE_RTOL = 1e-3  # lse relative to its magnitude; float32 math on exact products is ~1e-6
