@@ -160,6 +160,8 @@ constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 constexpr bool kFwdHd96PSmem = FLASH_FWD_HD96_P_SMEM != 0;
+// FLASH_FWD_HD96_P_SMEM's tile for hd96's config with Q K^T over kQK columns: head dims 81-96 (kQK = 96) only.
+constexpr bool fwd_hd96_p_smem(int qk_dim) { return kFwdHd96PSmem && qk_dim == 96; }
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
 
 // A Hopper config's kNarrowDim (> 0: head dims up to it run its NarrowTraits, and in the forward its
@@ -202,10 +204,9 @@ template <typename E> struct HopperFwdConfig<96, E> {
     template <int kQK, int kV>
     using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, true, kV, true>;
     template <int kQK, int kV>
-    using Short = std::conditional_t<kFwdHd96PSmem && kQK == 96, Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
+    using Short = std::conditional_t<fwd_hd96_p_smem(kQK), Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
-    using Long = std::conditional_t<kFwdHd96Bc192 && !(kFwdHd96PSmem && kQK == 96), Tile192<kQK, kV>,
-                                    Short<kQK, kV>>;
+    using Long = std::conditional_t<kFwdHd96Bc192 && !fwd_hd96_p_smem(kQK), Tile192<kQK, kV>, Short<kQK, kV>>;
     static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
