@@ -43,6 +43,14 @@ def host_check(tmp_path):
     return run
 
 
+def _compile_kernel_file(nvcc: str, mode: list[str], source: str, defines: list[str], out: Path) -> None:
+    """nvcc `mode` (what to make) on a csrc file with the Hopper kernels and these -D defines; asserts it built."""
+    build = subprocess.run([nvcc, *mode, "-std=c++17", "-DFLASH_KERNEL_SM90A", "--expt-relaxed-constexpr",
+                            *(f"-D{d}" for d in defines), f"-I{CSRC}", str(CSRC / source), "-o", str(out)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+
+
 @pytest.fixture
 def device_ptx(tmp_path):
     """device_ptx("flash_fwd_hdim128_bf16.cu", ["NAME=1"]) -> the PTX nvcc makes of that csrc file for sm_90a (with
@@ -51,10 +59,7 @@ def device_ptx(tmp_path):
 
     def run(source: str, defines: list[str]) -> str:
         ptx = tmp_path / f"{Path(source).stem}.{len(list(tmp_path.iterdir()))}.ptx"
-        build = subprocess.run([nvcc, "-ptx", "-std=c++17", "-O3", "-arch=compute_90a", "-DFLASH_KERNEL_SM90A",
-                                "--expt-relaxed-constexpr", *(f"-D{d}" for d in defines), f"-I{CSRC}",
-                                str(CSRC / source), "-o", str(ptx)], capture_output=True, text=True)
-        assert build.returncode == 0, build.stderr[-3000:]
+        _compile_kernel_file(nvcc, ["-ptx", "-O3", "-arch=compute_90a"], source, defines, ptx)
         return ptx.read_text()
 
     return run
@@ -66,12 +71,9 @@ def host_object(tmp_path):
     sm_90a's PTX (no ptxas), and fails with nvcc's errors: the host compiler parses templates the device pass took."""
     nvcc = _nvcc("compiles the kernel files' host code")
 
-    def run(source: str, defines: list[str] = ()) -> None:
-        build = subprocess.run([nvcc, "-c", "-std=c++17", "-O0", "-gencode", "arch=compute_90a,code=compute_90a",
-                                "-DFLASH_KERNEL_SM90A", "--expt-relaxed-constexpr", *(f"-D{d}" for d in defines),
-                                f"-I{CSRC}", str(CSRC / source), "-o", str(tmp_path / f"{Path(source).stem}.o")],
-                               capture_output=True, text=True)
-        assert build.returncode == 0, build.stderr[-3000:]
+    def run(source: str) -> None:
+        _compile_kernel_file(nvcc, ["-c", "-O0", "-gencode", "arch=compute_90a,code=compute_90a"], source, [],
+                             tmp_path / f"{Path(source).stem}.o")
 
     return run
 
