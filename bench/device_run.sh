@@ -79,32 +79,34 @@ train_per_attention() {  # train_per_attention <limit s> <steps> <attention...>:
     done
 }
 
-candidate_tests() {  # candidate_tests <name>=<.so>...: the GPU kernel tests on each build, all at once
-    # pytest-xdist, where installed: the small cases leave one GPU mostly idle, so TEST_WORKERS processes per build
-    # (default 4; 0 runs them in the build's own process) share it.
-    local workers=() pids=() pair pid rc=0
-    if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
-    for pair in "$@"; do
-        FLASH_KERNEL_EXT="${pair#*=}" step 480 "test_${pair%%=*}" $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs \
-            tests/kernel &
+BUILDS=()  # the candidate stages' builds, as <name>=<path of its .so>
+
+on_each_build() {  # on_each_build <limit s> <log prefix> <command...>: the command on every build of BUILDS at once
+    local limit=$1 prefix=$2 pair pid pids=() rc=0
+    shift 2
+    for pair in "${BUILDS[@]}"; do
+        FLASH_KERNEL_EXT="${pair#*=}" step "$limit" "${prefix}_${pair%%=*}" "$@" &
         pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-    for pair in "$@"; do echo "${pair%%=*}: $(tail -n 1 "$OUT/test_${pair%%=*}.log")"; done
     return $rc
 }
 
-candidate_sanitizers() {  # candidate_sanitizers <name>=<.so>...: memcheck on each build at once, then racecheck
-    local tool pair pid pids rc=0
+candidate_tests() {  # the GPU kernel tests on every build of BUILDS, all at once
+    # pytest-xdist, where installed: the small cases leave one GPU mostly idle, so TEST_WORKERS processes per build
+    # (default 4; 0 runs them in the build's own process) share it.
+    local workers=() pair rc=0
+    if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
+    on_each_build 480 test $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs tests/kernel || rc=1
+    for pair in "${BUILDS[@]}"; do echo "${pair%%=*}: $(tail -n 1 "$OUT/test_${pair%%=*}.log")"; done
+    return $rc
+}
+
+candidate_sanitizers() {  # memcheck on every build of BUILDS at once, then racecheck
+    local tool pair rc=0
     for tool in memcheck racecheck; do
-        pids=()
-        for pair in "$@"; do
-            FLASH_KERNEL_EXT="${pair#*=}" step 540 "${tool}_${pair%%=*}" compute-sanitizer --tool $tool \
-                --error-exitcode 1 $PY -m flash_kernel.sanitize &
-            pids+=($!)
-        done
-        for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-        for pair in "$@"; do
+        on_each_build 540 $tool compute-sanitizer --tool $tool --error-exitcode 1 $PY -m flash_kernel.sanitize || rc=1
+        for pair in "${BUILDS[@]}"; do
             echo "${pair%%=*}: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/${tool}_${pair%%=*}.log" | tail -n 1)"
         done
     done
@@ -179,12 +181,13 @@ candidate)
     (cd "${CANDIDATE_SRC:-.}" && FLASH_KERNEL_ARCHS="${CANDIDATE_ARCHS:-90a}" FLASH_KERNEL_NVCC_EXTRA="$flags" \
         step 300 build_candidate $PY -m flash_kernel.build --out "$dir") || exit 1
     so=$(ls "$dir"/_C*.so)
+    BUILDS=("candidate=$so")
     case "$what" in
     test)
-        candidate_tests "candidate=$so"
+        candidate_tests
         ;;
     sanitize)
-        candidate_sanitizers "candidate=$so"
+        candidate_sanitizers
         ;;
     kernel)
         time_candidate candidate "$so" "$@"
@@ -213,16 +216,15 @@ candidates)
     for pid in "${pids[@]}"; do
         wait "$pid" || { echo "candidates: a build failed" >&2; tail -n 5 "$OUT"/build*.log; exit 1; }
     done
-    builds=()
     for n in "${!sets[@]}"; do
         echo "candidate_$n: ${sets[$n]}"
-        builds+=("candidate_$n=$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)")
+        BUILDS+=("candidate_$n=$(ls "$PWD/flash_kernel/_candidate_$n"/_C*.so)")
     done
     case "${1:-}" in
-    test) candidate_tests "${builds[@]}" ;;
-    sanitize) candidate_sanitizers "${builds[@]}" ;;
+    test) candidate_tests ;;
+    sanitize) candidate_sanitizers ;;
     *)
-        for pair in "${builds[@]}"; do
+        for pair in "${BUILDS[@]}"; do
             echo "### ${pair%%=*}"
             time_candidate "${pair%%=*}" "${pair#*=}" "$@"
         done
