@@ -19,7 +19,7 @@ SWITCHES = {  # switch -> (an instantiation file whose schedule it changes, its 
     # the file has only 128-key tiles of two warpgroups
     "FLASH_FWD_INTRA_WG_OVERLAP_BC128": ("flash_fwd_hdim96_bf16.cu", 0,
                                          ["FLASH_FWD_HD96_BC192=0", "FLASH_FWD_HD96_P_SMEM=0"]),
-    "FLASH_FWD_INTRA_WG_OVERLAP_HD64": ("flash_fwd_hdim64_bf16.cu", 0, []),
+    "FLASH_FWD_INTRA_WG_OVERLAP_HD64": ("flash_fwd_hdim64_bf16.cu", 1, []),
     "FLASH_BWD_DQ_BEFORE_DK": ("flash_bwd_hdim128_bf16.cu", 1, []),
 }
 WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned (\d+);")

@@ -75,7 +75,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q
     constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
     constexpr uint32_t kKStepBytesN = kMmaK * kSwizzleRowBytes;        // 16 keys of V
-    constexpr int kPolyExpEvery = Traits::kPolyExpEvery;
     constexpr int kNConsumerThreads = Traits::kNConsumerThreads;
     constexpr int kNTileSlots = Traits::kNTileSlots;
 
@@ -391,8 +390,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             for (int i = 0; i < kNTilesN; ++i) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    // Every kPolyExpEvery-th n8 tile off the SFU (hopper_kernel_traits.h).
-                    s[4 * i + 2 * r + e] = softmax_exp2<kPolyExpEvery>(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled), i);
+                    s[4 * i + 2 * r + e] = fast_exp2(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled));
                 }
                 l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
             }

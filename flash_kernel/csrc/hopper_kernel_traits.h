@@ -25,8 +25,6 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
-// kPolyExpEvery > 0: the softmax computes the exponentials of every kPolyExpEvery-th n8 tile of S with
-// poly_exp2 (FMA pipe) instead of ex2.approx (SFU).
 // kIntraWgOverlap (FA3 paper, section 3.2): a turn commits S_j and O += P_{j-1} V_{j-1} as two wgmma groups and
 // runs the softmax of S_j (mask, m_i, exponentials, l_i) while its own P V is still on the tensor cores; only O's
 // rescale and P_j's packing wait for it. P_{j-1}, S_j and acc_o are then live at once.
@@ -36,8 +34,8 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // O += P V reads it there through a descriptor (FA3's and FA4's "not RS" P V). Under the intra-warpgroup overlap
 // P_{j-1} then needs no registers beside S_j and acc_o, which lets three warpgroups' 160 registers hold the overlap
 // at 128-key blocks up to head dim 96 (FA4's sm90 tile there, 192 x 128).
-template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kPolyExpEvery_ = 0,
-          int kNWarpgroups_ = 2, bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_, bool kPSmem_ = false>
+template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kNWarpgroups_ = 2,
+          bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_, bool kPSmem_ = false>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -46,7 +44,6 @@ struct HopperFwdTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNStages = kNStages_;
     static constexpr int kMinBlocksPerSm = 1;  // the launch bound that lets ptxas honour setmaxnreg
-    static constexpr int kPolyExpEvery = kPolyExpEvery_;
     static constexpr int kNWarpgroups = kNWarpgroups_;  // consumers, 64 query rows each
     static constexpr int kBlockM = kNWarpgroups * kWarpgroupRows;
     static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
@@ -61,17 +58,17 @@ struct HopperFwdTraits {
     static constexpr int kEmptyArrivals = kArrivePerWarp ? kNConsumerThreads / kWarpSize : kNConsumerThreads;
     // setmaxnreg moves registers between the block's warpgroups, from the launch bound's even split (kEntryRegs per
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
-    // share the rest, 240 each for two (hd128's consumers need about 234) and 160 for three (hd64: 154). More for the
-    // producer would leave the consumers' inc waiting for registers that never come free.
+    // share the rest, 240 each for two (hd128's consumers need about 234) and 160 for three (hd64: about 154). More
+    // for the producer would leave the consumers' inc waiting for registers that never come free.
     static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = (kEntryRegs * (kNWarpgroups + 1) - kProducerRegs) / kNWarpgroups / 8 * 8;
     // kIntraWgOverlap keeps three register arrays live through the softmax of S_j: acc_o, S_j (both fp32) and P_{j-1}
     // (16-bit pairs, the in-flight P V's A operand), 128 registers at hd64 with 128-key blocks, 208 at hd128 with 192.
     // The rest of the consumer (m_i, l_i, O's correction factors, row limits, addresses, loop state) takes 24-30 more:
-    // the consumers use 155-156 of 160 registers at hd64 and 232-238 of 240 at hd128, without spills. With 32 for
-    // the rest, the bound admits at most those two's live arrays at their budgets (128 of 160, 208 of 240). kPSmem:
-    // P_{j-1} is in shared memory, not registers.
+    // the consumers' highest register is 151-153 of 160 at hd64 and 231-237 of 240 at hd128, without spills. With
+    // 32 for the rest, the bound admits at most those two's live arrays at their budgets (128 of 160, 208 of 240).
+    // kPSmem: P_{j-1} is in shared memory, not registers.
     static constexpr int kOverlapLiveRegs = kVDim / 2 + kBlockN / 2 + (kPSmem ? 0 : kBlockN / 4);
     static constexpr int kOverlapOtherRegs = 32;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
@@ -111,12 +108,11 @@ struct HopperFwdTraits {
 // turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
 // which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
 // them, and they are slower.
-// HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, poly-exp every, consumer warpgroups,
-// intra-warpgroup overlap>:
+// HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, consumer warpgroups, intra-warpgroup overlap>:
 // The intra-warpgroup overlap, one build switch per tile (docs/kernel_design.md, "Build switches"):
 //   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
 //   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd65-80, hd128 below 2k keys);
-//   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (off): hd64's three warpgroups, where it times the same as without.
+//   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (on): hd64's three warpgroups.
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
 // 48 registers instead of 64.
@@ -140,7 +136,7 @@ struct HopperFwdTraits {
 #define FLASH_FWD_INTRA_WG_OVERLAP_BC128 0
 #endif
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP_HD64
-#define FLASH_FWD_INTRA_WG_OVERLAP_HD64 0
+#define FLASH_FWD_INTRA_WG_OVERLAP_HD64 1
 #endif
 #ifndef FLASH_FWD_NARROW_PV
 #define FLASH_FWD_NARROW_PV 1
@@ -181,10 +177,10 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // ring of three it hides behind two other warpgroups' turns instead of one: faster than two warpgroups on
     // 256-key blocks, causal too, since causal blocks end at Tq (fwd_tile_scheduler.h) and the short block is the
     // one with the fewest keys.
-    // 1 exponential in 8 by polynomial balances the SFU against the issue slots the polynomial costs.
-    // 121 KB; 154 of the consumers' 160 registers (S of 256 keys would not fit), 156 with the intra-warpgroup
-    // overlap, which keeps P_{j-1} beside S_j (as FA3's hd64 causal tile, 192 x 128 with P in registers).
-    using Traits = HopperFwdTraits<64, 128, 3, E, 64, 8, 3, kFwdIntraWgOverlapHd64>;
+    // The intra-warpgroup overlap keeps P_{j-1} beside S_j (FA3's and FA4's hd64 tile, 192 x 128 with P in
+    // registers): 121 KB, the consumers' highest register 151-153 of 160 (S of 256 keys would not fit). Every
+    // exponential runs on the SFU, which sits at about 60% of its issue rate here, below the tensor cores.
+    using Traits = HopperFwdTraits<64, 128, 3, E, 64, 3, kFwdIntraWgOverlapHd64>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;
 };
@@ -196,13 +192,13 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB). Three warpgroups on 192 query
     // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
     template <int kQK, int kV>
-    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 0, 2, kFwdIntraWgOverlapBc128, kV>;
+    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 2, kFwdIntraWgOverlapBc128, kV>;
     template <int kQK, int kV>
-    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 0, 2, kFwdIntraWgOverlap, kV>;
+    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 2, kFwdIntraWgOverlap, kV>;
     // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length, for Q K^T over
     // 96 columns (head dims 81-96) only.
     template <int kQK, int kV>
-    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 0, 3, true, kV, true>;
+    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 3, true, kV, true>;
     template <int kQK, int kV>
     using Short = std::conditional_t<fwd_hd96_p_smem(kQK), Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
@@ -219,8 +215,8 @@ template <typename E> struct HopperFwdConfig<96, E> {
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;
     // Two consumer warpgroups: O alone is 64 registers of the 160 that three would leave.
-    using Traits = HopperFwdTraits<128, 192, 2, E, 128, 0, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
-    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 0, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
+    using Traits = HopperFwdTraits<128, 192, 2, E, 128, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
+    using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
     static constexpr int kLongKeys = 2048;
 };
 #endif

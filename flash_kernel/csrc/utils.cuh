@@ -198,33 +198,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 2^x for x <= 0 on the FMA and integer pipes instead of the SFU: j = rint(x) by the 1.5 * 2^23 shifter (j
-// lands in the low mantissa bits), 2^(x - j) by a degree-5 polynomial on [-0.5, 0.5] (Taylor of e^(f ln 2),
-// relative error < 4e-6), j added to the exponent field. x <= -127 (and -inf) gives 0. Eleven instructions
-// against one, but none on the SFU, whose 16 lanes per SM bound the hd64 forward's softmax.
-__device__ __forceinline__ float poly_exp2(float x) {
-    x = fmaxf(x, -127.f);
-    const float shifted = __fadd_rn(x, 12582912.f);     // __fadd_rn / __fsub_rn: never reassociated
-    const int j = __float_as_int(shifted) - 0x4B400000;  // the bits of 12582912.f
-    const float f = __fsub_rn(x, __fsub_rn(shifted, 12582912.f));
-    float p = 1.3333558e-3f;
-    p = fmaf(p, f, 9.6181291e-3f);
-    p = fmaf(p, f, 5.5504109e-2f);
-    p = fmaf(p, f, 2.4022651e-1f);
-    p = fmaf(p, f, 6.9314718e-1f);
-    p = fmaf(p, f, 1.f);
-    return __int_as_float(__float_as_int(p) + j * (1 << 23));
-}
-// The softmax's 2^x for n8 tile `tile` of S: every kPolyEvery-th tile by poly_exp2, the rest (all, for
-// kPolyEvery = 0) by ex2.approx.
-template <int kPolyEvery>
-__device__ __forceinline__ float softmax_exp2(float x, int tile) {
-    if constexpr (kPolyEvery > 0) {
-        if (tile % kPolyEvery == kPolyEvery - 1) return poly_exp2(x);
-    }
-    return fast_exp2(x);
-}
-
 // Reduce over the 4 lanes (t = lane % 4) that share one accumulator row.
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
