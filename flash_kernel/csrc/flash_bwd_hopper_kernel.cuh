@@ -183,16 +183,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float acc_dk[kDkvDim / 2], acc_dv[kDkvDim / 2];  // 64 keys x kDkvDim per warpgroup
 #pragma unroll
     for (int i = 0; i < kDkvDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-    // sdQ's columns that no warpgroup's dQ_i covers (FLASH_BWD_NARROW_DQ_HD80: 80-95, past d) are zeros in every
-    // reduce: stored once here, published to the TMA unit by each thread's fence after its first dQ_i stores.
-    if constexpr (Traits::kDqColsStored < kDqRow) {
-        constexpr int kZeroChunks = (kDqRow - Traits::kDqColsStored) / 4;  // 16-byte chunks per row
-        for (int idx = tid; idx < kBlockM * kZeroChunks; idx += Traits::kNThreads) {
-            const int row = idx / kZeroChunks, chunk = Traits::kDqColsStored / 4 + idx % kZeroChunks;
-            float* zeros = sdQ + row * kDqRow + 4 * dq_accum_chunk(chunk, row);
-            *reinterpret_cast<float4*>(zeros) = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
 
     // K-major descriptors of this warpgroup's 64 key rows of K and V (lines 11, 14); the dQ operands (line 16):
     // the 64-query column block dq_row0 / 64 of dS^T (M-major) and K's columns from dq_col0 (N-major).

@@ -27,13 +27,6 @@
 #ifndef FLASH_BWD_NARROW_DQ
 #define FLASH_BWD_NARROW_DQ 1
 #endif
-// FLASH_BWD_NARROW_DQ_HD80 (off): FLASH_NARROW_HD80's twins (S^T and dP^T over kSumDim = 80 of the 96 columns)
-// compute dQ_i over those 80 too: the last warpgroup's n16 instead of n32 (K's columns 80-95 are zeros past d, and
-// so are dQ's), which takes dQ's tensor work per iteration from 96 to 80 columns, about 4% of the iteration's. sdQ's
-// columns 80-95 then hold the zeros the kernel writes there once, and the reduce adds them into dq_accum as before.
-#ifndef FLASH_BWD_NARROW_DQ_HD80
-#define FLASH_BWD_NARROW_DQ_HD80 0
-#endif
 
 namespace flash {
 
@@ -65,13 +58,9 @@ struct HopperBwdTraits {
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
-    // The columns of a dQ row the wgmmas compute: kQKDim, or kSumDim with FLASH_BWD_NARROW_DQ_HD80.
-    static constexpr int kDqDim = FLASH_BWD_NARROW_DQ_HD80 != 0 ? kSumDim : kQKDim;
-    // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kDqDim; its wgmma's N).
+    // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N).
     static constexpr int kDqColsLast =
-        FLASH_BWD_NARROW_DQ != 0 && !kDqSplitQueries ? kDqDim - (kNWarpgroups - 1) * kDqCols : kDqCols;
-    // sdQ's columns from here to kQKDim are no warpgroup's: the kernel zeroes them once.
-    static constexpr int kDqColsStored = kDqSplitQueries ? kQKDim : (kNWarpgroups - 1) * kDqCols + kDqColsLast;
+        FLASH_BWD_NARROW_DQ != 0 && !kDqSplitQueries ? kQKDim - (kNWarpgroups - 1) * kDqCols : kDqCols;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
