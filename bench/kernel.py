@@ -33,6 +33,10 @@ naive does not take it). OOM is recorded as "OOM", a backend that refuses the sh
                                                              # the package's build under other kernel_overrides
                                                              # (the backward's grid order here) as ours_candidate
 
+    python bench/kernel.py --hdims 128 --causal 0 --seqlens 4096 --methods ours fa4 --rounds 5 --clocks
+                                                             # with each method's SM clock and power draw while
+                                                             # timed (nvidia-smi; bench/gpu_clocks.py)
+
     python bench/kernel.py --varlen                          # document-masked (varlen) and sliding-window grid
     python bench/kernel.py --varlen --help                   # its own options (bench/kernel_varlen.py)
 
@@ -40,6 +44,13 @@ Parts merge into bench/results/kernel.json (one entry per device, inputs, GQA, m
 benchmark can be run in pieces of a few minutes each. The figure goes to
 bench/results/kernel_<device>.png, or kernel_<device>_bthd.png for --inputs bthd (rows: fwd+bwd, fwd, bwd;
 one panel per hd x causal). --varlen writes bench/results/kernel_varlen.json and kernel_varlen_<device>.png.
+
+--clocks: one nvidia-smi samples the GPU's SM clock and power draw every 10 ms for the whole run; each method's
+run_mode call (each mode, each round: its untimed peak-memory call, and do_bench's estimate, warm-up and timed calls)
+takes the samples stamped while it runs, and each ok row gains sm_clock_mhz and power_w, the medians of all samples
+of the cell's rounds pooled, clock_samples, their count, and with --rounds > 1 sm_clock_mhz_rounds, each round's
+median clock. The tables then show "clock / power" per method under each TFLOP/s table. Without nvidia-smi (or when
+it fails) the run goes on without them, after a note.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `python bench/kernel.py` from anywhere imports the repo's flash_kernel
 
+from bench import gpu_clocks  # noqa: E402
 from bench.common import can_plot, device_slug, parse_sets, save_figure  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kernel.json"
@@ -340,19 +352,42 @@ def _dense_flops(row: dict, mode: str) -> float:
     return attention_flops(row["batch"], row["heads"], row["seqlen"], row["hd"], row["causal"], mode)
 
 
-def _time_mode(mode: str, live: list, args, flops=_dense_flops) -> list[dict]:
+def _clock_span(clocks: gpu_clocks.ClockRecorder | None):
+    """The recorder's span (yields the samples list, or None while it is off); without --clocks a span yielding None."""
+    return clocks.span() if clocks is not None else contextlib.nullcontext(None)
+
+
+def clock_fields(rounds: list[list[dict]]) -> dict:
+    """Row fields of a cell's clock samples, one list per round that sampled: the medians over all of them pooled and
+    their count (gpu_clocks.summarize), and with more than one round each round's median SM clock (None for a round
+    without samples). No rounds sampled: no fields."""
+    if not rounds:
+        return {}
+    fields = gpu_clocks.summarize([s for samples in rounds for s in samples])
+    if len(rounds) > 1:
+        per_round = [gpu_clocks.summarize(samples) for samples in rounds]
+        fields["sm_clock_mhz_rounds"] = [f.get(gpu_clocks.CLOCK_FIELD) for f in per_round]
+    return fields
+
+
+def _time_mode(mode: str, live: list, args, flops=_dense_flops, clocks: gpu_clocks.ClockRecorder | None = None
+               ) -> list[dict]:
     """One row per live method: each timed args.rounds times in turn (a method that fails stops there); ms is the
-    median of its rounds, TFLOP/s flops(row, mode) over it."""
+    median of its rounds, TFLOP/s flops(row, mode) over it. With clocks, each run_mode call runs in a clocks span and
+    ok rows gain clock_fields."""
     rows = [dict(base, mode=mode, status="ok", ms=None, tflops=None, peak_mem_gib=None, note="") for base, *_ in live]
     times = [[] for _ in live]
+    clock_samples = [[] for _ in live]  # per method, the samples of each round that sampled
     for _ in range(args.rounds):
-        for row, ms_list, (_, tensors, fn, context) in zip(rows, times, live):
+        for row, ms_list, sampled, (_, tensors, fn, context) in zip(rows, times, clock_samples, live):
             if row["status"] != "ok":
                 continue
             try:
-                with context():
+                with context(), _clock_span(clocks) as samples:
                     ms, peak = run_mode(mode, tensors, fn, args.warmup_ms, args.rep_ms)
                 ms_list.append(ms)
+                if samples is not None:
+                    sampled.append(samples)
                 row["peak_mem_gib"] = max(peak, row["peak_mem_gib"] or 0.0)
             except torch.OutOfMemoryError:
                 row["status"] = "OOM"
@@ -362,7 +397,7 @@ def _time_mode(mode: str, live: list, args, flops=_dense_flops) -> list[dict]:
             for t in tensors[:3]:
                 t.grad = None
             _free()
-    for row, ms_list in zip(rows, times):
+    for row, ms_list, sampled in zip(rows, times, clock_samples):
         if row["status"] != "ok":
             row["peak_mem_gib"] = None
             continue
@@ -370,15 +405,17 @@ def _time_mode(mode: str, live: list, args, flops=_dense_flops) -> list[dict]:
         row["tflops"] = flops(row, mode) / (row["ms"] * 1e-3) / 1e12
         if args.rounds > 1:
             row["ms_rounds"] = ms_list
+        row.update(clock_fields(sampled))
     return rows
 
 
-def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]:
+def benchmark(args, device: str, on_progress=lambda results: None,
+              clocks: gpu_clocks.ClockRecorder | None = None) -> list[dict]:
     """Every requested case; on_progress(results so far) after each sequence length, so that a run stopped
     by a time limit keeps what it measured. With args.rounds > 1 every method of a case stays
     alive and each mode times the methods in turn, rounds times, --rep-ms each: a row's ms is the median of its
     rounds (all of them in ms_rounds), so a clock that drifts over the case (the H100's power cap) moves every
-    method alike instead of whichever ran last."""
+    method alike instead of whichever ran last. clocks (--clocks): the recorder _time_mode samples each timing in."""
     results = []
     for head_dim in args.hdims:
         for causal in args.causal:
@@ -394,7 +431,7 @@ def benchmark(args, device: str, on_progress=lambda results: None) -> list[dict]
                     live, failed = _set_up(group, base0, args, torch.bfloat16)
                     results += failed
                     for mode in args.modes:
-                        for row in _time_mode(mode, live, args):
+                        for row in _time_mode(mode, live, args, clocks=clocks):
                             results.append(row)
                             print(f"hd={head_dim:<3} causal={int(causal)} T={seqlen:<5} {row['method']:<15} {mode:<8} {_shown(row)}", flush=True)
                     del live
@@ -410,7 +447,10 @@ def _shown(row: dict) -> str:
     spread = ""
     if row.get("ms_rounds"):
         spread = f"  rounds {min(row['ms_rounds']):.3f}-{max(row['ms_rounds']):.3f} ms"
-    return f"{row['tflops']:7.1f} TFLOP/s  {row['ms']:8.3f} ms  peak {row['peak_mem_gib']:.2f} GiB{spread}"
+    clock = ""
+    if gpu_clocks.COUNT_FIELD in row:
+        clock = f"  {_clock_cell(row)} MHz / W ({row[gpu_clocks.COUNT_FIELD]} samples)"
+    return f"{row['tflops']:7.1f} TFLOP/s  {row['ms']:8.3f} ms  peak {row['peak_mem_gib']:.2f} GiB{spread}{clock}"
 
 
 # ------------------------------------------------------------------------------------------ results file
@@ -481,6 +521,25 @@ def _ratio(a: dict | None, b: dict | None) -> str:
     return f"{a['tflops'] / b['tflops']:.2f}"
 
 
+def _clock_cell(row: dict | None) -> str:
+    """The row's SM clock / power draw (medians, MHz / W) as "1755 / 652", "-" for what it lacks."""
+    if row is None or (gpu_clocks.CLOCK_FIELD not in row and gpu_clocks.POWER_FIELD not in row):
+        return "-"
+    return " / ".join(f"{row[f]:.0f}" if f in row else "-" for f in (gpu_clocks.CLOCK_FIELD, gpu_clocks.POWER_FIELD))
+
+
+def _clock_table(methods: list[str], seqlens: list[int], get) -> list[str]:
+    """The lines of a section's clock table (T x method: SM clock MHz / power W); none when no row has clocks."""
+    if not any(_clock_cell(get(m, seqlen)) != "-" for m in methods for seqlen in seqlens):
+        return []
+    header = ["T"] + [LABELS[m] for m in methods]
+    out = ["\nSM clock (MHz) / power (W) while timed, medians (--clocks):\n", "| " + " | ".join(header) + " |",
+           "|" + "---|" * len(header)]
+    for seqlen in seqlens:
+        out.append("| " + " | ".join([str(seqlen)] + [_clock_cell(get(m, seqlen)) for m in methods]) + " |")
+    return out
+
+
 def _inputs_title(inputs: str, gqa: int = 1) -> str:
     same = "" if inputs == "native" else ", every method on the same (B, T, H, D) tensors"
     return same + (f", {gqa} query heads per key/value head" if gqa > 1 else "")
@@ -516,6 +575,7 @@ def format_table(results: list[dict], device: str, inputs: str = "native", gqa: 
                     if candidate:
                         cells += [_ratio(get("ours_candidate"), get(m)) for m in ("ours", "fa4")]
                     out.append("| " + " | ".join(cells) + " |")
+                out += _clock_table(methods, seqlens, lambda m, t: index.get((m, head_dim, causal, t, mode)))
     return "\n".join(out)
 
 
@@ -587,6 +647,9 @@ def parse_args(argv=None):
                    help="flash_kernel.interface.kernel_overrides for ours_candidate (e.g. bwd_causal_group_heads=1, "
                         "causal_group_heads=4, bwd=sm80): the package's build, or --candidate's, under them")
     p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (k and v get heads / gqa)")
+    p.add_argument("--clocks", action="store_true",
+                   help="record the SM clock and power draw (nvidia-smi) while each method is timed: row fields "
+                        "sm_clock_mhz, power_w, clock_samples (bench/gpu_clocks.py)")
     p.add_argument("--varlen", action="store_true",
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
@@ -670,12 +733,16 @@ def main(argv=None) -> int:
     data = load(args.results)
     data.setdefault("environment", {})[device] = env
     old = data["results"]
+    clocks = gpu_clocks.ClockRecorder.for_torch_device(torch.cuda.current_device()) if args.clocks else None
 
     def save_progress(results: list[dict]) -> None:
+        if clocks is not None:
+            env["gpu_clocks"] = clocks.description  # also when a span switched the recorder off
         data["results"] = merge(old, results)
         save(args.results, data)
 
-    new = benchmark(args, device, save_progress)
+    with clocks or contextlib.nullcontext():  # nvidia-smi ends with the run, also on an error or Ctrl-C
+        new = benchmark(args, device, save_progress, clocks)
     print(f"\n{len(new)} results merged into {args.results}")
     report(data, [device], args.results, args.inputs, args.gqa)
     return 0
