@@ -103,6 +103,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // key_row and key_row + 8 (K_j, dS^T, dK_j and dV_j rows).
     const int wg_row = ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
     const int key_row = wg * kWarpgroupRows + wg_row;
+    // Traits::kWideSmemOps: the dS^T row whose address this lane gives stmatrix (row l % 8 of matrix l / 8, the
+    // matrices' rows 0-7, 8-15, 0-7, 8-15 of the warp's 16 keys).
+    const int ds_row = key_row - g + lane % 8 + 8 * ((lane / 8) % 2);
     // kVarlenOrLocal: this block's sequence (its rows in the packed tensors, its lengths) and window.
     SeqBounds sq{params.seqlen_q, params.seqlen_k, 0, 0, -1, -1};
     if constexpr (kVarlenOrLocal) {  // through a shuffle, as wg: block-uniform values the compiler then keeps uniform
@@ -209,6 +212,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     // Line 11, S^T = K Q_i^T, once Q_i of `stage` (the iter-th query block) has landed.
     float s[kBlockM / 2];  // S^T, then P^T (kIssueNextSEarly: S^T_i issued by iteration i-1, or before the loop)
+    // L_i or D_i of this thread's query column 8i + 2t + (e & 1) (Traits::kWideSmemOps: through the 8-byte pair of
+    // columns 8i + 2t and 8i + 2t + 1, which the compiler loads once for the four e).
+    auto query_value = [&](const float* v, int i, int e) {
+        if constexpr (Traits::kWideSmemOps) {
+            const float2 pair = *reinterpret_cast<const float2*>(v + i * kMmaN + 2 * t);
+            return (e & 1) ? pair.y : pair.x;
+        } else {
+            return v[i * kMmaN + 2 * t + (e & 1)];
+        }
+    };
     auto issue_s = [&](int iter, int stage) {
         mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
         issue_over_d(s, desc_k, make_smem_desc_sw128(sQ + stage * Traits::kSmemQBytes, 16, kSwizzleAtomBytes));
@@ -297,7 +310,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -kLog2e * sLse_st[i * kMmaN + 2 * t + (e & 1)]));
+                s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -kLog2e * query_value(sLse_st, i, e)));
             }
         }
         // P^T as the register A operand of line 13 (the accumulators of query columns 16kk..16kk+15 are k-step
@@ -314,7 +327,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - sDelta_st[i * kMmaN + 2 * t + (e & 1)]);
+            for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - query_value(sDelta_st, i, e));
         }
         // dS^T as the register A operand of line 17, and into shared memory for line 16 (keys x queries;
         // iteration i-1's dQ reads of sdS completed before the barrier that closed it).
@@ -323,12 +336,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int r = 0; r < 4; ++r) ds_frag[kk][r] = pack2<Element>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
         }
+        if constexpr (Traits::kWideSmemOps) {
+            // ds_frag[kk] is four 8x8 matrices (rows 0-7 and 8-15 of the warp's 16 keys, queries 16kk..16kk+7,
+            // then the same rows, queries 16kk+8..16kk+15): one stmatrix, lane l giving the address of row l % 8
+            // of matrix l / 8 (a 16-byte swizzled chunk each, as the forward stores P: conflict free).
 #pragma unroll
-        for (int i = 0; i < kNTilesM; ++i) {
-            const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds queries 8i..8i+7
-            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row, i) + within) = ds_frag[i / 2][(i % 2) * 2];
-            *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row + 8, i) + within) =
-                ds_frag[i / 2][(i % 2) * 2 + 1];
+            for (int kk = 0; kk < kKStepsM; ++kk) {
+                stmatrix_x4(sdS + swizzled_chunk_offset<kBlockN>(ds_row, 2 * kk + lane / 16), ds_frag[kk]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < kNTilesM; ++i) {
+                const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds queries 8i..8i+7
+                *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row, i) + within) =
+                    ds_frag[i / 2][(i % 2) * 2];
+                *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row + 8, i) + within) =
+                    ds_frag[i / 2][(i % 2) * 2 + 1];
+            }
         }
 
         // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue);
