@@ -103,9 +103,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // key_row and key_row + 8 (K_j, dS^T, dK_j and dV_j rows).
     const int wg_row = ((tid % kWarpgroupThreads) / kWarpSize) * kMmaM + g;
     const int key_row = wg * kWarpgroupRows + wg_row;
-    // Traits::kWideSmemOps: the dS^T row whose address this lane gives stmatrix (row l % 8 of matrix l / 8, the
-    // matrices' rows 0-7, 8-15, 0-7, 8-15 of the warp's 16 keys).
-    const int ds_row = key_row - g + lane % 8 + 8 * ((lane / 8) % 2);
     // kVarlenOrLocal: this block's sequence (its rows in the packed tensors, its lengths) and window.
     SeqBounds sq{params.seqlen_q, params.seqlen_k, 0, 0, -1, -1};
     if constexpr (kVarlenOrLocal) {  // through a shuffle, as wg: block-uniform values the compiler then keeps uniform
@@ -337,13 +334,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int r = 0; r < 4; ++r) ds_frag[kk][r] = pack2<Element>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
         }
         if constexpr (Traits::kWideSmemOps) {
-            // ds_frag[kk] is four 8x8 matrices (rows 0-7 and 8-15 of the warp's 16 keys, queries 16kk..16kk+7,
-            // then the same rows, queries 16kk+8..16kk+15): one stmatrix, lane l giving the address of row l % 8
-            // of matrix l / 8 (a 16-byte swizzled chunk each, as the forward stores P: conflict free).
+            // ds_frag[kk] (the warp's 16 keys x queries 16kk..16kk+15) by one stmatrix, as the forward stores P.
 #pragma unroll
-            for (int kk = 0; kk < kKStepsM; ++kk) {
-                stmatrix_x4(sdS + swizzled_chunk_offset<kBlockN>(ds_row, 2 * kk + lane / 16), ds_frag[kk]);
-            }
+            for (int kk = 0; kk < kKStepsM; ++kk) stmatrix_k_step<kBlockN>(sdS, key_row - g, kk, lane, ds_frag[kk]);
         } else {
 #pragma unroll
             for (int i = 0; i < kNTilesM; ++i) {

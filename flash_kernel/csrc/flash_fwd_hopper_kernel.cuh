@@ -285,18 +285,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     float correction[2];
     // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk: four 8x8 matrices (rows
     // 0-7 and 8-15 of the warp's 16, keys 0-7, then the same rows, keys 8-15). kPSmem: one stmatrix per k-step writes
-    // them to the warp's rows of sP_wg instead, lane l giving the address of row l % 8 of matrix l / 8 (16-byte rows,
-    // one swizzled chunk each: conflict free). Each warp's part of the P V wgmma reads only its own 16 rows of P, so
-    // the warp's own sync publishes them, after the fence that shows the async proxy its writes (FA3's order).
+    // them to the warp's rows of sP_wg instead (stmatrix_k_step). Each warp's part of the P V wgmma reads only its
+    // own 16 rows of P, so the warp's own sync publishes them, after the fence that shows the async proxy its writes
+    // (FA3's order).
     auto pack_p = [&] {
         if constexpr (kPSmem) {
-            const int p_row = (my_row - g) % kWarpgroupRows + lane % 8 + 8 * ((lane / 8) % 2);
 #pragma unroll
             for (int kk = 0; kk < kKStepsN; ++kk) {
                 uint32_t frag[4];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) frag[r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-                stmatrix_x4(sP_wg + swizzled_chunk_offset<kWarpgroupRows>(p_row, 2 * kk + lane / 16), frag);
+                stmatrix_k_step<kWarpgroupRows>(sP_wg, (my_row - g) % kWarpgroupRows, kk, lane, frag);
             }
             fence_view_async_shared();
             __syncwarp();

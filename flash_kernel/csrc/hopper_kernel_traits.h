@@ -180,7 +180,7 @@ template <typename E> struct HopperFwdConfig<64, E> {
     // The intra-warpgroup overlap keeps P_{j-1} beside S_j (FA3's and FA4's hd64 tile, 192 x 128 with P in
     // registers): 121 KB, the consumers' highest register 151-153 of 160 (S of 256 keys would not fit). Every
     // exponential runs on the SFU, which is not this tile's limit: FA4's hd64 forward, all on the SFU too, keeps it
-    // at 65% of its peak rate (Nsight Compute, docs/results.md section 20).
+    // at 65% of its peak rate (Nsight Compute on one H200).
     using Traits = HopperFwdTraits<64, 128, 3, E, 64, 3, kFwdIntraWgOverlapHd64>;
     using ShortTraits = Traits;
     static constexpr int kLongKeys = 0;

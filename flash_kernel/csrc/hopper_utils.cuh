@@ -118,6 +118,15 @@ __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
     return static_cast<uint32_t>((c / 8) * kRows * kSwizzleRowBytes + row * kSwizzleRowBytes + (((c % 8) ^ (row % 8)) * 16));
 }
 
+// A warp's 16-bit fragment of k-step kk (the register A operand of an m64nNk16 wgmma, or an m16n8k16 mma: four 8x8
+// matrices, its rows 0-7 and 8-15 of columns 16kk..16kk+7, then the same rows of 16kk+8..16kk+15) by one stmatrix
+// into its 16 rows from row0 of a swizzled tile of kRows rows at `tile`. Lane l gives the address of row l % 8 of
+// matrix l / 8, one 16-byte chunk each: conflict free.
+template <int kRows>
+__device__ __forceinline__ void stmatrix_k_step(uint32_t tile, int row0, int kk, int lane, const uint32_t (&frag)[4]) {
+    stmatrix_x4(tile + swizzled_chunk_offset<kRows>(row0 + lane % 8 + 8 * ((lane / 8) % 2), 2 * kk + lane / 16), frag);
+}
+
 // Write rows [0, valid_rows), columns [0, d) of a swizzled (kRows x kHeadDim) tile to global memory, 16 bytes
 // per thread per step (each quarter-warp writes one 128-byte row segment).
 template <int kRows, int kHeadDim, int kNThreads, typename Element>
