@@ -12,6 +12,13 @@ ends at its next line, on the closed pipe (SIGPIPE).
 Power: power.draw.instant where the driver has it (on Ampere and later power.draw is an average over the last
 second, which mostly reflects whatever ran before a 100 ms span), else power.draw.
 
+Lag: the lines arrive within a millisecond of the timestamp nvidia-smi gives them, but what they read trails the
+GPU by up to about 100 ms (an H200: the power reading fell to idle within 0.1 s of the end of a 2 s matmul loop, the
+SM clock rose back to 1980 MHz in the same 0.1 s). A span should last about a second for its medians to describe
+its work: over bench/kernel.py's 100 ms measurements they often read the idle GPU before them (our hd128 forward,
+non-causal 8k: 1965 MHz / 122 W over 100 ms, 1650 MHz / 721 W over 1 s, 635 and 637 TFLOP/s), so --clocks times
+each measurement for 1000 ms by default.
+
 Which GPU: nvidia-smi numbers GPUs by PCI bus order and ignores CUDA_VISIBLE_DEVICES, so torch's device is looked up
 in `nvidia-smi --query-gpu=index,uuid,pci.bus_id` by its UUID, then by its PCI (domain, bus, device) where torch
 reports them, then, with one GPU listed, as that GPU; anything else leaves the clocks off.
@@ -31,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-PERIOD_MS = 10  # a do_bench measurement lasts ~125 ms (warm-up + --rep-ms): about ten samples
+PERIOD_MS = 10  # a --clocks measurement lasts ~1 s (warm-up + --rep-ms): about a hundred samples
 READY_TIMEOUT_S = 5.0  # how long nvidia-smi may take to print its first sample
 MAX_SAMPLES = 10_000  # the buffer's length: 100 s at 10 ms, longer than any span
 CLOCK_FIELD, POWER_FIELD, COUNT_FIELD = "sm_clock_mhz", "power_w", "clock_samples"

@@ -50,7 +50,9 @@ run_mode call (each mode, each round: its untimed peak-memory call, and do_bench
 takes the samples stamped while it runs, and each ok row gains sm_clock_mhz and power_w, the medians of all samples
 of the cell's rounds pooled, clock_samples, their count, and with --rounds > 1 sm_clock_mhz_rounds, each round's
 median clock. The tables then show "clock / power" per method under each TFLOP/s table. Without nvidia-smi (or when
-it fails) the run goes on without them, after a note.
+it fails) the run goes on without them, after a note. nvidia-smi's readings trail the load by about 100 ms, so
+--clocks times each measurement over 1000 ms unless --rep-ms says otherwise: over do_bench's default 100 ms the
+samples often read the idle GPU before it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ TOKENS = 16 * 1024  # B * T, the paper's fixed token count
 HIDDEN = 2048  # heads = HIDDEN // hd
 HEAD_DIMS = [64, 128]
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+REP_MS = 100.0  # do_bench's timed calls per measurement
+# With --clocks: nvidia-smi's clock and power readings trail the load by about 100 ms, so a 100 ms measurement often
+# reads whatever ran before it (the GPU idle between methods); over a second they read the kernel under test.
+CLOCKS_REP_MS = 1000.0
 MODES = ["fwd", "bwd", "fwd_bwd"]
 METHODS = ["naive", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "fa4", "ours", "ours_sm80", "ours_candidate"]
 LABELS = {
@@ -498,6 +504,7 @@ def environment() -> dict:
     import flash_kernel
 
     env["flash_kernel"] = "available" if flash_kernel.is_available() else flash_kernel.unavailable_reason()
+    env["kernel_version"] = flash_kernel.KERNEL_VERSION  # of the package's sources (ours; --candidate's is its own)
     try:
         import triton
 
@@ -633,7 +640,9 @@ def parse_args(argv=None):
     p.add_argument("--causal", nargs="+", type=int, choices=[0, 1], default=[0, 1], help="0 non-causal, 1 causal")
     p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help=f"do_bench's timed span per measurement "
+                        f"(default {REP_MS:.0f}, with --clocks {CLOCKS_REP_MS:.0f})")
     p.add_argument("--rounds", type=int, default=1,
                    help="> 1: time a case's methods in turn this many times per mode (--rep-ms each), rows take the median")
     p.add_argument("--inputs", choices=INPUTS, default="native", help="each method's own layout, or the same (B, T, H, D) tensors for all")
@@ -654,6 +663,8 @@ def parse_args(argv=None):
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
     args.candidate_overrides = _parse_overrides(p, args.candidate_overrides)
+    if args.rep_ms is None:
+        args.rep_ms = CLOCKS_REP_MS if args.clocks else REP_MS
     if args.methods is None:
         candidate = args.candidate is not None or args.candidate_overrides
         args.methods = [m for m in METHODS if m != "ours_candidate" or candidate]

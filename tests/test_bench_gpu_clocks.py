@@ -357,6 +357,13 @@ def test_clocks_put_fields_on_rows_and_tables(fake_smi, monkeypatch):
     assert "1755 / 652 MHz / W" in bench._shown(rows[0])
 
 
+def test_clocks_time_each_measurement_for_a_second_unless_told():
+    # nvidia-smi's readings trail the load by ~100 ms: over do_bench's default 100 ms they read the idle GPU before
+    assert _args(1).rep_ms == bench.REP_MS == 100.0
+    assert _args(1, "--clocks").rep_ms == bench.CLOCKS_REP_MS == 1000.0
+    assert _args(1, "--clocks", "--rep-ms", "30").rep_ms == _args(1, "--rep-ms", "30").rep_ms == 30.0
+
+
 def test_clock_cells_show_what_rows_have():
     assert bench._clock_cell(None) == "-" and bench._clock_cell({"ms": 1.0}) == "-"
     assert bench._clock_cell({"sm_clock_mhz": 1755.4, "clock_samples": 3}) == "1755 / -"
