@@ -82,7 +82,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdO = sQ + kNStages * Traits::kSmemQBytes;  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
-    unsigned char* sdS_ptr = smem + (sdS - sK);
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + kNStages * kBlockM;  // [kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled by row
@@ -209,15 +208,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     // Line 11, S^T = K Q_i^T, once Q_i of `stage` (the iter-th query block) has landed.
     float s[kBlockM / 2];  // S^T, then P^T (kIssueNextSEarly: S^T_i issued by iteration i-1, or before the loop)
-    // L_i or D_i of this thread's query column 8i + 2t + (e & 1) (Traits::kWideSmemOps: through the 8-byte pair of
-    // columns 8i + 2t and 8i + 2t + 1, which the compiler loads once for the four e).
+    // L_i or D_i of this thread's query column 8i + 2t + (e & 1), through the 8-byte pair of columns 8i + 2t and
+    // 8i + 2t + 1, which the compiler loads once for the four e (half the shared-memory loads of one float each).
     auto query_value = [&](const float* v, int i, int e) {
-        if constexpr (Traits::kWideSmemOps) {
-            const float2 pair = *reinterpret_cast<const float2*>(v + i * kMmaN + 2 * t);
-            return (e & 1) ? pair.y : pair.x;
-        } else {
-            return v[i * kMmaN + 2 * t + (e & 1)];
-        }
+        const float2 pair = *reinterpret_cast<const float2*>(v + i * kMmaN + 2 * t);
+        return (e & 1) ? pair.y : pair.x;
     };
     auto issue_s = [&](int iter, int stage) {
         mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
@@ -333,20 +328,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int r = 0; r < 4; ++r) ds_frag[kk][r] = pack2<Element>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
         }
-        if constexpr (Traits::kWideSmemOps) {
-            // ds_frag[kk] (the warp's 16 keys x queries 16kk..16kk+15) by one stmatrix, as the forward stores P.
+        // ds_frag[kk] (the warp's 16 keys x queries 16kk..16kk+15) by one stmatrix, as the forward stores P: one
+        // 16-byte store per lane and k16 step where 4-byte stores take four, on the MIO queue the backward waits on.
 #pragma unroll
-            for (int kk = 0; kk < kKStepsM; ++kk) stmatrix_k_step<kBlockN>(sdS, key_row - g, kk, lane, ds_frag[kk]);
-        } else {
-#pragma unroll
-            for (int i = 0; i < kNTilesM; ++i) {
-                const int within = 2 * t * static_cast<int>(sizeof(Element));  // chunk i holds queries 8i..8i+7
-                *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row, i) + within) =
-                    ds_frag[i / 2][(i % 2) * 2];
-                *reinterpret_cast<uint32_t*>(sdS_ptr + swizzled_chunk_offset<kBlockN>(key_row + 8, i) + within) =
-                    ds_frag[i / 2][(i % 2) * 2 + 1];
-            }
-        }
+        for (int kk = 0; kk < kKStepsM; ++kk) stmatrix_k_step<kBlockN>(sdS, key_row - g, kk, lane, ds_frag[kk]);
 
         // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue);
         // kDqBeforeDk: dV here, dK behind dQ_i (hopper_bwd_traits.h).

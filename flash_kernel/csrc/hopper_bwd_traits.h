@@ -27,14 +27,6 @@
 #ifndef FLASH_BWD_NARROW_DQ
 #define FLASH_BWD_NARROW_DQ 1
 #endif
-// FLASH_BWD_WIDE_SMEM_OPS (off): fewer, wider shared-memory instructions per query block: dS^T goes to sdS by one
-// stmatrix per k16 step (16 bytes per lane, four 8x8 matrices) instead of two 4-byte stores per n8 tile, and L_i and
-// D_i are read as one 8-byte pair per n8 tile instead of two 4-byte loads. At hd128 that is 4 stores instead of 16
-// and 16 loads instead of 32 per thread and query block, on the MIO queue whose throttle our backward waits on
-// about twice as long per instruction as FA4's (Nsight Compute, causal 8k, one H200).
-#ifndef FLASH_BWD_WIDE_SMEM_OPS
-#define FLASH_BWD_WIDE_SMEM_OPS 0
-#endif
 
 namespace flash {
 
@@ -65,7 +57,6 @@ struct HopperBwdTraits {
     // dK += dS^T Q_i, so that the dQ_i stores into sdQ run while dK is on the tensor cores. Otherwise dV and dK
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
-    static constexpr bool kWideSmemOps = FLASH_BWD_WIDE_SMEM_OPS != 0;
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
     // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N).
     static constexpr int kDqColsLast =
