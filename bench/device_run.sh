@@ -12,6 +12,9 @@
 #                                                    # `varlen --cases corpus lognormal fixed1k fixed2k fixed4k`, `varlen --cases window`
 #   bash bench/device_run.sh ncu [ncu_compare.py args]  # Nsight Compute on ours and FA4 (where it imports) for one
 #                                                    # case, side by side (e.g. --hdim 128 --seqlen 8192 --causal 0)
+#   bash bench/device_run.sh sass [kernel.py args]   # FA4's kernels of that case as PTX in $OUT/fa4_ptx, for
+#                                                    # bench/sass_mix.py to count their main loops beside ours
+#                                                    # (e.g. --hdims 128 --causal 1 --seqlens 8192 --modes bwd)
 #   bash bench/device_run.sh e2e [e2e.py args]       # make bench-e2e with the arguments given (repeatable)
 #   bash bench/device_run.sh multi [loss_curves.py args]  # >= 2 GPUs: DDP/FSDP tests, loss curves 1 vs N GPUs
 #   bash bench/device_run.sh candidate "NVCC FLAGS" test   # a second build with these nvcc flags (e.g.
@@ -45,7 +48,8 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
-stage=${1:?usage: bench/device_run.sh check|python|kernel|varlen|candidate|candidates|ncu|e2e|multi|launchers [args]}
+usage="bench/device_run.sh check|python|kernel|varlen|candidate|candidates|ncu|sass|e2e|multi|launchers [args]"
+stage=${1:?usage: $usage}
 shift
 
 step() {  # step <seconds> <log name> <command...>: run, keep the log, say how it ended
@@ -237,6 +241,16 @@ ncu)
     step 540 "$log" $PY bench/ncu_compare.py --out "$OUT/ncu.json" "$@"
     grep -E "^\||^[A-Z].*: hd" "$OUT/$log.log"
     ;;
+sass)
+    # FA4's kernels for kernel.py's case as PTX (CUTE_DSL_KEEP_PTX: the DSL writes each kernel it compiles into
+    # CUTE_DSL_DUMP_DIR), back in $OUT/fa4_ptx for bench/sass_mix.py to set beside ours (no GPU needed there)
+    mkdir -p "$OUT/fa4_ptx"
+    step 300 fa4_ptx env CUTE_DSL_KEEP_PTX=1 CUTE_DSL_DUMP_DIR="$OUT/fa4_ptx" $PY bench/kernel.py --methods fa4 \
+        --results "$OUT/fa4_ptx/kernel.json" "$@"
+    grep -E "^\||note" "$OUT/fa4_ptx.log" | tail -n 8
+    step 120 fa4_ptx_kernels $PY bench/sass_mix.py --list "$OUT"/fa4_ptx/*.ptx
+    grep -v "^ " "$OUT/fa4_ptx_kernels.log"
+    ;;
 e2e)
     build_quietly
     data_quietly
@@ -266,8 +280,8 @@ launchers)
     grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
     ;;
 *)
-    echo "unknown stage $stage (check | python | kernel | varlen | candidate | candidates | ncu | e2e | multi |" \
-        "launchers)" >&2
+    echo "unknown stage $stage (check | python | kernel | varlen | candidate | candidates | ncu | sass | e2e |" \
+        "multi | launchers)" >&2
     exit 2
     ;;
 esac
