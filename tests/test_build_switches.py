@@ -51,6 +51,7 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16"),
     ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1"),  # a producer + 3 consumers
     ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16"),
+    ("FLASH_BWD_PRODUCER_WG", "flash_bwd_hdim128_bf16.cu", 0, "setmaxnreg.inc.sync.aligned.u32 240"),  # consumers
 ]
 
 

@@ -80,6 +80,11 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// This thread's arrival on the mbarrier once every cp.async it issued before has landed (.noinc: one of the
+// arrivals the barrier's init counted).
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
     asm volatile(
         "{\n.reg .pred done;\nWAIT:\n"
