@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sV = sK + Traits::kSmemKVBytes;                  // [swizzled kBlockN x kHeadDim]
     const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdO = sQ + kNStages * Traits::kSmemQBytes;  // [kNStages][swizzled kBlockM x kHeadDim]
-    const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
+    const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [kDsStages][swizzled kBlockN x kBlockM]: dS^T
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + kNStages * kBlockM;  // [kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled by row
@@ -350,6 +350,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const float* sLse_st = sLse + stage * kBlockM;
         const float* sDelta_st = sDelta + stage * kBlockM;
         const int query0 = m_block * kBlockM;
+        const uint32_t ds_off = Traits::kDsStages > 1 ? (iter % 2) * Traits::kSmemDsBytes : 0;  // dS^T_i's stage
 
         // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
         if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
@@ -426,7 +427,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - query_value(sDelta_st, i, e));
         }
         // dS^T as the register A operand of line 17, and into shared memory for line 16 (keys x queries;
-        // iteration i-1's dQ reads of sdS completed before the barrier that closed it).
+        // iteration i-1's dQ reads of sdS completed before the barrier that closed it; kDsStages = 2: those of
+        // iteration i-2, in this stage, before the middle barrier of i-1).
 #pragma unroll
         for (int kk = 0; kk < kKStepsM; ++kk) {
 #pragma unroll
@@ -435,7 +437,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // ds_frag[kk] (the warp's 16 keys x queries 16kk..16kk+15) by one stmatrix, as the forward stores P: one
         // 16-byte store per lane and k16 step where 4-byte stores take four, on the MIO queue the backward waits on.
 #pragma unroll
-        for (int kk = 0; kk < kKStepsM; ++kk) stmatrix_k_step<kBlockN>(sdS, key_row - g, kk, lane, ds_frag[kk]);
+        for (int kk = 0; kk < kKStepsM; ++kk) {
+            stmatrix_k_step<kBlockN>(sdS + ds_off, key_row - g, kk, lane, ds_frag[kk]);
+        }
 
         // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue);
         // kDqBeforeDk: dV here, dK behind dQ_i (hopper_bwd_traits.h).
@@ -470,7 +474,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kKStepsDq; ++kk) {
-                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kKStepRowsBytes),
+                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, ds_off + kk * kKStepRowsBytes),
                                                          desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
             }
             wgmma_commit();
@@ -536,9 +540,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         // Close the iteration: sdQ holds dQ_i; every wgmma that read sdS or this stage's Q_i / dO_i completed (so
         // the stage takes block i+2); L_{i+1} and D_{i+1} landed (this thread's cp.asyncs, then everyone's).
-        // kProducerWg: only sdS's reads by the other warpgroup's dQ_i, before this one's next dS^T stores.
+        // kProducerWg: only sdS's reads by the other warpgroup's dQ_i, before this one's next dS^T stores (with two
+        // dS^T stages, not even those).
         if constexpr (kProducerWg) {
-            consumer_sync();
+            if constexpr (Traits::kDsStages == 1) consumer_sync();
         } else {
             cp_async_wait<0>();
             __syncthreads();

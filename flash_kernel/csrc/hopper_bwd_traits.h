@@ -37,6 +37,14 @@
 #ifndef FLASH_BWD_PRODUCER_WG
 #define FLASH_BWD_PRODUCER_WG 0
 #endif
+// FLASH_BWD_TWO_DS_STAGES (off; with FLASH_BWD_PRODUCER_WG): dS^T in two shared-memory stages by iteration parity
+// (FA3's and FA4's PdS stages), so that no barrier closes an iteration: a warpgroup's dS^T_{i+1} goes to the other
+// stage while the other warpgroup's dQ_i may still read this one, and dS^T_{i+2} waits for the barrier of i+1,
+// which that warpgroup reaches only once its dQ_i completed. 16 KiB more shared memory at hd96 / hd128, 32 KiB at
+// hd64.
+#ifndef FLASH_BWD_TWO_DS_STAGES
+#define FLASH_BWD_TWO_DS_STAGES 0
+#endif
 
 namespace flash {
 
@@ -61,6 +69,7 @@ struct HopperBwdTraits {
     // three warpgroups hold 24 + 2 x 240.
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
+    static constexpr int kDsStages = FLASH_BWD_TWO_DS_STAGES != 0 ? 2 : 1;  // sdS by iteration parity
     static constexpr int kBlockN = kNWarpgroups * kWarpgroupRows;  // keys per thread block, 64 per warpgroup
     static constexpr int kBlockM = kBlockM_;                       // queries per iteration: N of S^T and dP^T
     static constexpr int kNStages = 2;                             // Q_i / dO_i / L_i / D_i double-buffered
@@ -82,7 +91,7 @@ struct HopperBwdTraits {
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;      // one stage of Q or dO, swizzled
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
-    static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
+    static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kDsStages * kSmemDsBytes;
     static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
     static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of d_rounded), reduced by iteration i+1
     // mbarriers: K/V, Q_i/dO_i per stage (full), and with kProducerWg the stages' empty ones
@@ -107,6 +116,8 @@ struct HopperBwdTraits {
                                                                                      (kNWarpgroups + 1)),
                   "the producer's and consumers' registers fit what the launch gives three warpgroups");
     static_assert(!kProducerWg || kDqBeforeDk, "the producer warpgroup's stage release follows FA3's matmul order");
+    static_assert(kDsStages == 1 || kProducerWg, "two dS^T stages replace the barrier that, without the producer "
+                                                 "warpgroup, also frees the Q_i / dO_i stage and sdQ");
 };
 
 // Which head dims have a Hopper backward (only when the build includes sm_90a; see HopperFwdConfig).
