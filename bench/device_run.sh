@@ -101,6 +101,12 @@ candidate_tests() {  # the GPU kernel tests on every build of BUILDS, all at onc
     # (default 4; 0 runs them in the build's own process) share it.
     local workers=() pair rc=0
     if [ "${TEST_WORKERS:-4}" != 0 ] && $PY -c "import xdist" 2>/dev/null; then workers=(-n "${TEST_WORKERS:-4}"); fi
+    # The sanitizers' small cases first, under a short limit: a build whose kernel hangs (a synchronisation that
+    # never completes) costs 90 s here, not the suite's 480.
+    if ! on_each_build 90 smoke $PY -m flash_kernel.sanitize; then
+        for pair in "${BUILDS[@]}"; do echo "${pair%%=*}: smoke: $(tail -n 1 "$OUT/smoke_${pair%%=*}.log")"; done
+        return 1
+    fi
     on_each_build 480 test $PY -m pytest -q -x "${workers[@]}" -m gpu -rfEs tests/kernel || rc=1
     for pair in "${BUILDS[@]}"; do echo "${pair%%=*}: $(tail -n 1 "$OUT/test_${pair%%=*}.log")"; done
     return $rc
