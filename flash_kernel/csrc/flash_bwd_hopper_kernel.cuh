@@ -188,8 +188,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto produce_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         tma_q_do(row0, stage);
-        for (int r = lane; r < kBlockM; r += kWarpSize) {
-            load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, r);
+#pragma unroll
+        for (int r = 0; r < kBlockM; r += kWarpSize) {
+            load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q,
+                                    r + lane);
         }
         cp_async_mbarrier_arrive(full_qdo(stage));
     };
