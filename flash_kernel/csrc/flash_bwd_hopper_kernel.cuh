@@ -272,18 +272,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int dq_row0 = Traits::kDqSplitQueries ? wg * kWarpgroupRows : 0;
     const int dq_col0 = Traits::kDqSplitQueries ? 0 : wg * Traits::kDqCols;
     // This thread's sdQ address of its dQ pair (row dq_row0 + wg_row + 8r, column dq_col0 + 8i + 2t). kProducerWg:
-    // as one of four bases plus an immediate, which 240 registers hold where sixteen addresses spilled: the pair's
-    // chunk dq_col0 / 4 + t / 2 + 2i XORed with 2 (row % 4) (dq_accum_chunk) is i with its two low bits XORed with
-    // row % 4, and rows 8 apart share row % 4.
-    uint32_t sdq_quad[4];
-#pragma unroll
-    for (int l = 0; l < 4; ++l) {
-        const int row = dq_row0 + wg_row;
-        sdq_quad[l] = sdQ_addr + 4 * (row * kDqRow + dq_col0) + 8 * t + 32 * (l ^ (row % 4));
-    }
+    // as one of four bases (i % 4) plus immediates, which 240 registers hold where sixteen addresses spilled: the
+    // pair's chunk dq_col0 / 4 + t / 2 + 2i XORed with 2 (row % 4) (dq_accum_chunk) is i with its two low bits XORed
+    // with row % 4, and rows 8 apart share row % 4.
     auto sdq_pair_addr = [&](int r, int i) -> uint32_t {
         if constexpr (kProducerWg) {
-            return sdq_quad[i % 4] + 128 * (i / 4) + r * 8 * kDqRow * 4;  // 8 chunks right, 8 rows down
+            const int row = dq_row0 + wg_row;
+            return sdQ_addr + 4 * (row * kDqRow + dq_col0) + 8 * t + 32 * ((i % 4) ^ (row % 4)) + 128 * (i / 4) +
+                   r * 8 * kDqRow * 4;  // 8 chunks right per i / 4, 8 rows down per r
         } else {
             const int row = dq_row0 + wg_row + 8 * r, col = dq_col0 + i * kMmaN + 2 * t;
             return sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4);
@@ -532,10 +528,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             wgmma_wait<Traits::kIssueNextSEarly ? 1 : 0>();
             pin_registers(acc_dk);
             pin_registers(ds_frag);
-            if constexpr (kProducerWg) {  // every wgmma of this warp that read the stage completed: the producer's
-                __syncwarp();
-                if (lane == 0) mbarrier_arrive(empty_qdo(stage));
-            }
+            // kProducerWg: every wgmma of this warp that read the stage completed, the producer may refill it
+            if constexpr (kProducerWg) mbarrier_arrive_per_warp(empty_qdo(stage), lane);
         } else {
             if (m_block + 1 == m_block_max) break;  // the barrier after the loop closes the last iteration
             if constexpr (Traits::kIssueNextSEarly) issue_s(iter + 1, stage ^ 1);  // under the barrier below

@@ -411,8 +411,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // A K, V or Q stage is free for the producer once this thread's (warp's) wgmmas that read it completed.
     auto release = [&](uint32_t empty) {
         if constexpr (Traits::kArrivePerWarp) {
-            __syncwarp();  // every lane of the warp passed its wgmma wait
-            if (lane == 0) mbarrier_arrive(empty);
+            mbarrier_arrive_per_warp(empty, lane);
         } else {
             mbarrier_arrive(empty);
         }

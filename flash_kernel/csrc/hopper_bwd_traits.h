@@ -65,10 +65,9 @@ struct HopperBwdTraits {
     static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr bool kProducerWg = FLASH_BWD_PRODUCER_WG != 0;
     static constexpr int kNThreads = kNConsumerThreads + (kProducerWg ? kWarpgroupThreads : 0);
-    // kProducerWg: registers per thread after setmaxnreg; the entry's 168 (65536 / 384, rounded down to 8) times
-    // three warpgroups hold 24 + 2 x 240.
+    // kProducerWg: registers per thread after setmaxnreg, 24 and 240 (the forward's split of three warpgroups).
     static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = 240;
+    static constexpr int kConsumerRegs = setmaxnreg_consumer_regs(kNWarpgroups, kProducerRegs);
     static constexpr int kDsStages = FLASH_BWD_TWO_DS_STAGES != 0 ? 2 : 1;  // sdS by iteration parity
     static constexpr int kBlockN = kNWarpgroups * kWarpgroupRows;  // keys per thread block, 64 per warpgroup
     static constexpr int kBlockM = kBlockM_;                       // queries per iteration: N of S^T and dP^T
@@ -112,9 +111,6 @@ struct HopperBwdTraits {
     static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kSwizzleBlockElems,
                   "dK's and dV's N: whole n16 tiles that reach into the tile's last 64-column block");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
-    static_assert(!kProducerWg || (kProducerRegs + kNWarpgroups * kConsumerRegs <= 65536 / kNThreads / 8 * 8 *
-                                                                                     (kNWarpgroups + 1)),
-                  "the producer's and consumers' registers fit what the launch gives three warpgroups");
     static_assert(!kProducerWg || kDqBeforeDk, "the producer warpgroup's stage release follows FA3's matmul order");
     static_assert(kDsStages == 1 || kProducerWg, "two dS^T stages replace the barrier that, without the producer "
                                                  "warpgroup, also frees the Q_i / dO_i stage and sdQ");

@@ -80,6 +80,11 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// One arrival per warp, once every lane has passed what it waited for (a wgmma wait before freeing a stage).
+__device__ __forceinline__ void mbarrier_arrive_per_warp(uint32_t bar, int lane) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(bar);
+}
 // This thread's arrival on the mbarrier once every cp.async it issued before has landed (.noinc: one of the
 // arrivals the barrier's init counted).
 __device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
