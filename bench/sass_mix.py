@@ -190,6 +190,14 @@ def kernel_patterns(specs: list[str]) -> tuple[str, dict[str, str]]:
     return shared, own
 
 
+def named_kernels(path: Path) -> list[tuple[Kernel, str]]:
+    """The kernels of one input with their readable (demangled) names."""
+    if not path.exists():
+        raise SystemExit(f"sass_mix: {path}: no such file")
+    kernels = parse_sass(sass_text(path))
+    return list(zip(kernels, demangle([k.name for k in kernels])))
+
+
 def read_inputs(specs: list[str], pattern: str, own: dict[str, str] | None = None) -> list[Mix]:
     """LABEL=PATH or PATH per input; the mix of each kernel that matches the label's own pattern, else `pattern`."""
     mixes = []
@@ -197,10 +205,7 @@ def read_inputs(specs: list[str], pattern: str, own: dict[str, str] | None = Non
         label, _, path = spec.rpartition("=") if "=" in spec else (None, "", spec)
         pattern_here = (own or {}).get(label, pattern)
         path = Path(path)
-        if not path.exists():
-            raise SystemExit(f"sass_mix: {path}: no such file")
-        kernels = parse_sass(sass_text(path))
-        named = [(k, readable) for k, readable in zip(kernels, demangle([k.name for k in kernels]))
+        named = [(k, readable) for k, readable in named_kernels(path)
                  if re.search(pattern_here, k.name) or re.search(pattern_here, readable)]
         if not named:
             raise SystemExit(f"sass_mix: no kernel of {path} matches {pattern_here!r} (--list shows their names)")
@@ -241,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for spec in args.inputs:
             path = Path(spec.rpartition("=")[2])
-            kernels = parse_sass(sass_text(path))
-            for k, readable in zip(kernels, demangle([k.name for k in kernels])):
+            for k, readable in named_kernels(path):
                 print(f"{path.name}: {readable} ({len(k.code)} instructions, {len(loops(k))} loops)\n    {k.name}")
         return 0
     print(table(read_inputs(args.inputs, *kernel_patterns(args.kernel)), args.top))
