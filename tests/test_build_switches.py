@@ -51,7 +51,6 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16"),
     ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1"),  # a producer + 3 consumers
     ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16"),
-    ("FLASH_BWD_PRODUCER_WG", "flash_bwd_hdim128_bf16.cu", 0, "setmaxnreg.inc.sync.aligned.u32 240"),  # consumers
 ]
 
 
@@ -61,15 +60,3 @@ def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, devi
     off, on = device_ptx(source, [f"{switch}=0"]), device_ptx(source, [f"{switch}=1"])
     assert mark in on and mark not in off
     assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"
-
-
-def test_two_ds_stages_drop_the_barrier_that_closes_a_backward_iteration(device_ptx):
-    # FLASH_BWD_TWO_DS_STAGES rides on the producer warpgroup: the consumers' named barriers are one fewer per
-    # iteration (no closing one) and sdS is addressed by the iteration's parity; off, the producer build as it is.
-    source = "flash_bwd_hdim128_bf16.cu"
-    producer = device_ptx(source, ["FLASH_BWD_PRODUCER_WG=1"])
-    both = device_ptx(source, ["FLASH_BWD_PRODUCER_WG=1", "FLASH_BWD_TWO_DS_STAGES=1"])
-    named_syncs = re.compile(r"bar\.sync %r\d+, %r\d+;")  # named barriers (id and count in registers)
-    per_kernel = 3  # the causal, non-causal and varlen instantiations
-    assert len(named_syncs.findall(both)) == len(named_syncs.findall(producer)) - per_kernel
-    assert device_ptx(source, ["FLASH_BWD_PRODUCER_WG=1", "FLASH_BWD_TWO_DS_STAGES=0"]) == producer

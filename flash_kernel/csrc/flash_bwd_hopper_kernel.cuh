@@ -23,9 +23,6 @@
 // kDqBeforeDk (a build switch, hopper_bwd_traits.h) takes FA3's order: dV before the dS^T barrier, then dQ_i and dK
 // as two more wgmma groups, so that the dQ_i stores run while dK is on the tensor cores; dK_i completes (behind
 // S^T_{i+1} at kBlockM = 64) before the barrier that closes the iteration.
-// kProducerWg (a build switch, hopper_bwd_traits.h): a third warpgroup issues the loads, into a stage once every
-// consumer warp has released it (an "empty" mbarrier per stage), and the dQ_i reduces, taking sdQ from the consumers
-// and handing it back through two named barriers; the consumers' block barriers become named barriers of their own.
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
@@ -65,8 +62,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kHeadDim = Traits::kHeadDim;
-    constexpr int kNConsumerThreads = Traits::kNConsumerThreads;  // two warpgroups (and kProducerWg: a third)
-    constexpr bool kProducerWg = Traits::kProducerWg;
+    constexpr int kNThreads = Traits::kNThreads;
     constexpr int kNStages = Traits::kNStages;
     constexpr int kNTilesM = kBlockM / kMmaN;    // n8 column tiles (queries) of S^T / dP^T per warp
     constexpr int kDkvDim = Traits::kDkvDim;     // dK's and dV's columns (their wgmmas' N); past it: zeros
@@ -85,7 +81,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sV = sK + Traits::kSmemKVBytes;                  // [swizzled kBlockN x kHeadDim]
     const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdO = sQ + kNStages * Traits::kSmemQBytes;  // [kNStages][swizzled kBlockM x kHeadDim]
-    const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [kDsStages][swizzled kBlockN x kBlockM]: dS^T
+    const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + kNStages * kBlockM;  // [kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled by row
@@ -93,7 +89,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (d_rounded)
     const uint32_t full_kv = sdQ_addr + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
-    auto empty_qdo = [&](int stage) { return full_kv + 8 * (1 + kNStages + stage); };  // kProducerWg: stage read
 
     // Causal: from 2048 keys, longest key blocks first, (batch, head) pairs in L2-sized groups (causal_order.h).
     const BlockCoord coord = bwd_block_coord<kIsCausal>(params.bwd_causal_group);
@@ -144,56 +139,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         m_block_min = kIsCausal ? max(0, (key0 - causal_offset) / kBlockM) : 0;
     }
 
-    // Thread 0 (kProducerWg: the producer's first) issues the TMA loads, each arming its tile's "full" mbarrier
-    // with the tile's bytes.
-    const bool loader = tid == (kProducerWg ? kNConsumerThreads : 0);
-    auto init_barriers = [&] {
-        mbarrier_init(full_kv, 2);  // two arrivals (K and V), plus their bytes
-        for (int stage = 0; stage < kNStages; ++stage) {
-            // Q_i and dO_i; kProducerWg: and the producer warp's lanes, once their L_i and D_i copies land
-            mbarrier_init(full_qdo(stage), 2 + (kProducerWg ? kWarpSize : 0));
-            if constexpr (kProducerWg) mbarrier_init(empty_qdo(stage), kNConsumerThreads / kWarpSize);  // per warp
-        }
-        fence_mbarrier_init();
-    };
+    // Thread 0 issues the TMA loads, each arming its tile's "full" mbarrier with the tile's bytes.
+    const bool loader = tid == 0;
     if (loader) {
         prefetch_tensor_map(&maps.q);
         prefetch_tensor_map(&maps.dO);
-        if constexpr (!kProducerWg) init_barriers();
-    }
-    if constexpr (kProducerWg) {
-        if (tid == 0) init_barriers();
+        mbarrier_init(full_kv, 2);  // two arrivals (K and V), plus their bytes
+        for (int stage = 0; stage < kNStages; ++stage) mbarrier_init(full_qdo(stage), 2);  // Q_i and dO_i
+        fence_mbarrier_init();
     }
     __syncthreads();
 
     // Alg. 2 line 10: Q_i and dO_i by TMA (loader; rows past Tq come back as zeros), L_i and D_i by 4-byte
     // cp.async (load_lse_delta, flash_bwd_common.cuh). Issued two query blocks ahead (one per stage); S^T waits
     // for Q_i's mbarrier, the softmax for L_i and D_i behind the barrier that ends the iteration before.
-    auto tma_q_do = [&](int row0, int stage) {
+    auto load_q_do = [&](int m_block, int stage) {
+        const int row0 = m_block * kBlockM;
         if (loader) {
             tma_load_rows<kBlockM, kHeadDim>(sQ + stage * Traits::kSmemQBytes, &maps.q, sq.q_row0 + row0, bidh, batch_coord,
                                              full_qdo(stage));
             tma_load_rows<kBlockM, kHeadDim>(sdO + stage * Traits::kSmemQBytes, &maps.dO, sq.q_row0 + row0, bidh, batch_coord,
                                              full_qdo(stage));
         }
-    };
-    auto load_q_do = [&](int m_block, int stage) {
-        const int row0 = m_block * kBlockM;
-        tma_q_do(row0, stage);
         load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, tid);
         cp_async_commit();
-    };
-    // kProducerWg: the producer's first warp loads query block m_block into `stage`, L_i and D_i rows lane, lane + 32,
-    // ..., each lane arriving on the stage's full mbarrier once its copies land.
-    auto produce_q_do = [&](int m_block, int stage) {
-        const int row0 = m_block * kBlockM;
-        tma_q_do(row0, stage);
-#pragma unroll
-        for (int r = 0; r < kBlockM; r += kWarpSize) {
-            load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q,
-                                    r + lane);
-        }
-        cp_async_mbarrier_arrive(full_qdo(stage));
     };
 
     // dQ_i of query block m_block, staged in sdQ, added into dq_accum by the TMA unit: one bulk reduce-add of the
@@ -201,64 +170,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // (dq_accum_chunk, dq_accum_layout.h). The threads' own adds (16-byte red.global.add from sdQ) would take issue
     // slots and LSU bandwidth from the softmax's warps. Thread 0 waits for the reduce's shared-memory reads before
     // the barrier that precedes the next sdQ stores.
-    auto issue_reduce_dq = [&](int m_block) {
-        const int row0 = m_block * kBlockM;
-        bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, sdQ_addr,
-                            min(kBlockM, seqlen_q - row0) * kDqRow * static_cast<int>(sizeof(float)));
-        bulk_commit_group();
-    };
     auto reduce_dq = [&](int m_block) {
-        if (tid == 0) issue_reduce_dq(m_block);
-    };
-
-    // kProducerWg's named barriers (0 is __syncthreads): the consumers' own, and sdQ's hand-offs between the
-    // consumers and the producer's reduce warp (full: dQ_i stored; empty: the TMA unit has read it).
-    constexpr int kBarConsumers = 1, kBarDqFull = 2, kBarDqEmpty = 3;
-    constexpr int kDqBarThreads = kNConsumerThreads + kWarpSize;
-    auto consumer_sync = [&] {
-        if constexpr (kProducerWg) {
-            named_barrier_sync(kBarConsumers, kNConsumerThreads);
-        } else {
-            __syncthreads();
+        if (tid == 0) {
+            const int row0 = m_block * kBlockM;
+            bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, sdQ_addr,
+                                min(kBlockM, seqlen_q - row0) * kDqRow * static_cast<int>(sizeof(float)));
+            bulk_commit_group();
         }
     };
-    // kProducerWg: the producer warpgroup on its 24 registers. Its first warp loads K_j and V_j, then each query
-    // block into its stage once every consumer warp released the stage; its second adds each dQ_i tile into
-    // dq_accum; the other two only hand their registers over to the consumers.
-    if constexpr (kProducerWg) {
-        if (wg == Traits::kNWarpgroups) {
-            setmaxnreg_dec<Traits::kProducerRegs>();
-            const int warp = (tid - kNConsumerThreads) / kWarpSize;
-            if (m_block_min < m_block_max && warp == 0) {
-                if (loader) {
-                    prefetch_tensor_map(&maps.k);
-                    prefetch_tensor_map(&maps.v);
-                    tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
-                    tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
-                }
-                for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-                    const int iter = m_block - m_block_min, stage = iter % kNStages;
-                    if (iter >= kNStages) mbarrier_wait(empty_qdo(stage), (iter / kNStages - 1) & 1);
-                    produce_q_do(m_block, stage);
-                }
-            } else if (m_block_min < m_block_max && warp == 1) {
-                // One hand-off per query block, sdQ free at the start: the consumers' dQ_i stores wait on kBarDqEmpty,
-                // this warp's reduce of dQ_i on kBarDqFull.
-                named_barrier_arrive(kBarDqEmpty, kDqBarThreads);
-                for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-                    named_barrier_sync(kBarDqFull, kDqBarThreads);
-                    if (lane == 0) {
-                        issue_reduce_dq(m_block);
-                        bulk_wait_group_read<0>();  // also the block's shared memory outliving the last reduce
-                    }
-                    __syncwarp();
-                    if (m_block + 1 < m_block_max) named_barrier_arrive(kBarDqEmpty, kDqBarThreads);
-                }
-            }
-            return;
-        }
-        setmaxnreg_inc<Traits::kConsumerRegs>();
-    }
 
     float acc_dk[kDkvDim / 2], acc_dv[kDkvDim / 2];  // 64 keys x kDkvDim per warpgroup
 #pragma unroll
@@ -271,20 +190,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint64_t desc_v = make_smem_desc_sw128(sV + wg_rows_bytes, 16, kSwizzleAtomBytes);
     const int dq_row0 = Traits::kDqSplitQueries ? wg * kWarpgroupRows : 0;
     const int dq_col0 = Traits::kDqSplitQueries ? 0 : wg * Traits::kDqCols;
-    // This thread's sdQ address of its dQ pair (row dq_row0 + wg_row + 8r, column dq_col0 + 8i + 2t). kProducerWg:
-    // as one of four bases (i % 4) plus immediates, which 240 registers hold where sixteen addresses spilled: the
-    // pair's chunk dq_col0 / 4 + t / 2 + 2i XORed with 2 (row % 4) (dq_accum_chunk) is i with its two low bits XORed
-    // with row % 4, and rows 8 apart share row % 4.
-    auto sdq_pair_addr = [&](int r, int i) -> uint32_t {
-        if constexpr (kProducerWg) {
-            const int row = dq_row0 + wg_row;
-            return sdQ_addr + 4 * (row * kDqRow + dq_col0) + 8 * t + 32 * ((i % 4) ^ (row % 4)) + 128 * (i / 4) +
-                   r * 8 * kDqRow * 4;  // 8 chunks right per i / 4, 8 rows down per r
-        } else {
-            const int row = dq_row0 + wg_row + 8 * r, col = dq_col0 + i * kMmaN + 2 * t;
-            return sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4);
-        }
-    };
     const uint64_t desc_ds = make_smem_desc_sw128(sdS + (dq_row0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
                                                   kSwizzleAtomBytes);
     const uint64_t desc_kt = make_smem_desc_sw128(sK + (dq_col0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
@@ -316,21 +221,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros), and the first two query blocks.
     if (m_block_min < m_block_max) {
-        if constexpr (!kProducerWg) {
-            if (loader) {
-                prefetch_tensor_map(&maps.k);
-                prefetch_tensor_map(&maps.v);
-                tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
-                tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
-            }
-            load_q_do(m_block_min, 0);
-            if (m_block_min + 1 < m_block_max) load_q_do(m_block_min + 1, 1);
+        if (loader) {
+            prefetch_tensor_map(&maps.k);
+            prefetch_tensor_map(&maps.v);
+            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
+            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
         }
+        load_q_do(m_block_min, 0);
+        if (m_block_min + 1 < m_block_max) load_q_do(m_block_min + 1, 1);
         mbarrier_wait(full_kv, 0);
-        if constexpr (!kProducerWg) {
-            cp_async_wait<0>();
-            __syncthreads();  // L_i and D_i of both stages visible to every thread
-        }
+        cp_async_wait<0>();
+        __syncthreads();  // L_i and D_i of both stages visible to every thread
         if constexpr (Traits::kIssueNextSEarly) {
             issue_s(0, 0);
             wgmma_wait<0>();
@@ -348,18 +249,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const float* sLse_st = sLse + stage * kBlockM;
         const float* sDelta_st = sDelta + stage * kBlockM;
         const int query0 = m_block * kBlockM;
-        const uint32_t ds_off = Traits::kDsStages > 1 ? (iter % 2) * Traits::kSmemDsBytes : 0;  // dS^T_i's stage
 
         // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
         if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
         float dp[kBlockM / 2];
         issue_over_d(dp, desc_v, make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes));
 
-        // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1 (kProducerWg: the
-        // reduce warp's).
-        if constexpr (!kProducerWg) {
-            if (m_block > m_block_min) reduce_dq(m_block - 1);
-        }
+        // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1.
+        if (m_block > m_block_min) reduce_dq(m_block - 1);
 
         // Line 12 while dP^T runs: mask keys past Tk (zero-filled K rows would give P = exp(-L), which can
         // overflow) and, on diagonal blocks, keys a query may not see; then P^T = exp2(S^T scale log2e - L log2e).
@@ -425,8 +322,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - query_value(sDelta_st, i, e));
         }
         // dS^T as the register A operand of line 17, and into shared memory for line 16 (keys x queries;
-        // iteration i-1's dQ reads of sdS completed before the barrier that closed it; kDsStages = 2: those of
-        // iteration i-2, in this stage, before the middle barrier of i-1).
+        // iteration i-1's dQ reads of sdS completed before the barrier that closed it).
 #pragma unroll
         for (int kk = 0; kk < kKStepsM; ++kk) {
 #pragma unroll
@@ -435,9 +331,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // ds_frag[kk] (the warp's 16 keys x queries 16kk..16kk+15) by one stmatrix, as the forward stores P: one
         // 16-byte store per lane and k16 step where 4-byte stores take four, on the MIO queue the backward waits on.
 #pragma unroll
-        for (int kk = 0; kk < kKStepsM; ++kk) {
-            stmatrix_k_step<kBlockN>(sdS + ds_off, key_row - g, kk, lane, ds_frag[kk]);
-        }
+        for (int kk = 0; kk < kKStepsM; ++kk) stmatrix_k_step<kBlockN>(sdS, key_row - g, kk, lane, ds_frag[kk]);
 
         // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue);
         // kDqBeforeDk: dV here, dK behind dQ_i (hopper_bwd_traits.h).
@@ -458,12 +352,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_commit();
 
         // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K. Past
-        // this barrier sdQ is free: the reduce of iteration i-1 has read it (kProducerWg: the stores below wait).
-        if constexpr (!kProducerWg) {
-            if (tid == 0) bulk_wait_group_read<0>();
-        }
+        // this barrier sdQ is free: the reduce of iteration i-1 has read it.
+        if (tid == 0) bulk_wait_group_read<0>();
         fence_view_async_shared();
-        consumer_sync();
+        __syncthreads();
         // This warpgroup's dQ_i into dq, kCols columns: issued, completed (kDqBeforeDk: with dK behind it) and
         // stored. The last warpgroup's are Traits::kDqColsLast, fewer where FLASH_BWD_NARROW_DQ leaves out K's zero
         // columns; each width has an array of its own (one array for both makes ptxas serialize the wgmmas).
@@ -472,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kKStepsDq; ++kk) {
-                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, ds_off + kk * kKStepRowsBytes),
+                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kKStepRowsBytes),
                                                          desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
             }
             wgmma_commit();
@@ -495,13 +387,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // To this warpgroup's part of sdQ (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t + {0, 1});
             // columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
             // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
-            if constexpr (kProducerWg) named_barrier_sync(kBarDqEmpty, kDqBarThreads);  // dQ_{i-1} read from sdQ
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
+                const int row = dq_row0 + wg_row + 8 * r;
 #pragma unroll
                 for (int i = 0; i < kCols / kMmaN; ++i) {
-                    if (dq_col0 + i * kMmaN + 2 * t < kDqRow) {  // 8-byte stores by asm: nvcc splits half of a float2's
-                        st_shared_f32x2(sdq_pair_addr(r, i), dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                    const int col = dq_col0 + i * kMmaN + 2 * t;
+                    if (col < kDqRow) {  // 8-byte stores by asm: through a float2 pointer nvcc splits half of them
+                        st_shared_f32x2(sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4),
+                                        dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                     }
                 }
             }
@@ -514,7 +408,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             dq_tile(dq);
         }
         fence_view_async_shared();
-        if constexpr (kProducerWg) named_barrier_arrive(kBarDqFull, kDqBarThreads);  // dQ_i to the reduce warp
         if constexpr (Traits::kDqBeforeDk) {
             // dK_i (Q_i from this stage, dS^T from ds_frag) completes before the barrier below, after which the
             // stage takes block i+2, and before the loop's back edge or the epilogue's reads of acc_dk.
@@ -528,23 +421,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             wgmma_wait<Traits::kIssueNextSEarly ? 1 : 0>();
             pin_registers(acc_dk);
             pin_registers(ds_frag);
-            // kProducerWg: every wgmma of this warp that read the stage completed, the producer may refill it
-            if constexpr (kProducerWg) mbarrier_arrive_per_warp(empty_qdo(stage), lane);
         } else {
             if (m_block + 1 == m_block_max) break;  // the barrier after the loop closes the last iteration
             if constexpr (Traits::kIssueNextSEarly) issue_s(iter + 1, stage ^ 1);  // under the barrier below
         }
         // Close the iteration: sdQ holds dQ_i; every wgmma that read sdS or this stage's Q_i / dO_i completed (so
         // the stage takes block i+2); L_{i+1} and D_{i+1} landed (this thread's cp.asyncs, then everyone's).
-        // kProducerWg: only sdS's reads by the other warpgroup's dQ_i, before this one's next dS^T stores (with two
-        // dS^T stages, not even those).
-        if constexpr (kProducerWg) {
-            if constexpr (Traits::kDsStages == 1) consumer_sync();
-        } else {
-            cp_async_wait<0>();
-            __syncthreads();
-            if (m_block + kNStages < m_block_max) load_q_do(m_block + kNStages, stage);
-        }
+        cp_async_wait<0>();
+        __syncthreads();
+        if (m_block + kNStages < m_block_max) load_q_do(m_block + kNStages, stage);
         // S^T_{i+1} complete before the loop's back edge: where an accumulator is in flight across it, ptxas
         // serializes every wgmma of the kernel (C7515: the loop's register moves define the accumulator).
         if constexpr (Traits::kIssueNextSEarly) {
@@ -555,10 +440,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them
     // completed), in the swizzled layout, then 16-byte rows to global memory.
-    consumer_sync();
-    if constexpr (!kProducerWg) {
-        if (m_block_min < m_block_max) reduce_dq(m_block_max - 1);  // the last query block's dQ
-    }
+    __syncthreads();
+    if (m_block_min < m_block_max) reduce_dq(m_block_max - 1);  // the last query block's dQ
 #pragma unroll
     for (int i = 0; i < kNTilesD; ++i) {
         const int within = 2 * t * static_cast<int>(sizeof(Element));
@@ -571,17 +454,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 pack2<Element>(acc_dv[4 * i + 2 * r], acc_dv[4 * i + 2 * r + 1]);
         }
     }
-    consumer_sync();
+    __syncthreads();
     Element* dk = static_cast<Element*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh * params.dk_head_stride +
                   (sq.k_row0 + key0) * params.dk_row_stride;
     Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
                   (sq.k_row0 + key0) * params.dv_row_stride;
-    store_tile_swizzled<kBlockN, kHeadDim, kNConsumerThreads>(dk, smem, params.dk_row_stride, valid_keys, d);
-    store_tile_swizzled<kBlockN, kHeadDim, kNConsumerThreads>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride,
-                                                              valid_keys, d);
-    if constexpr (!kProducerWg) {
-        if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
-    }
+    store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dk, smem, params.dk_row_stride, valid_keys, d);
+    store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride, valid_keys, d);
+    if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_bwd_traits.h)
 #endif

@@ -27,24 +27,6 @@
 #ifndef FLASH_BWD_NARROW_DQ
 #define FLASH_BWD_NARROW_DQ 1
 #endif
-// FLASH_BWD_PRODUCER_WG (off): a third, producer warpgroup (FA3's and FA4's backward), so that the two consumer
-// warpgroups only compute. Its first warp loads K_j and V_j, then Q_i and dO_i (TMA, its first lane) and L_i and D_i
-// (cp.async, each lane arriving on the stage's mbarrier once its copies land) into a stage as soon as the consumers'
-// warps have released it (an "empty" mbarrier per stage); its second warp adds each dQ_i tile into dq_accum by the
-// bulk reduce, handing sdQ back and forth with the consumers through two named barriers. Without it, the first
-// consumer thread issues the loads and the reduce, and a block barrier closes each iteration for the loads. The
-// consumers' registers go from 255 to 240 (setmaxnreg; the producer keeps 24).
-#ifndef FLASH_BWD_PRODUCER_WG
-#define FLASH_BWD_PRODUCER_WG 0
-#endif
-// FLASH_BWD_TWO_DS_STAGES (off; with FLASH_BWD_PRODUCER_WG): dS^T in two shared-memory stages by iteration parity
-// (FA3's and FA4's PdS stages), so that no barrier closes an iteration: a warpgroup's dS^T_{i+1} goes to the other
-// stage while the other warpgroup's dQ_i may still read this one, and dS^T_{i+2} waits for the barrier of i+1,
-// which that warpgroup reaches only once its dQ_i completed. 16 KiB more shared memory at hd96 / hd128, 32 KiB at
-// hd64.
-#ifndef FLASH_BWD_TWO_DS_STAGES
-#define FLASH_BWD_TWO_DS_STAGES 0
-#endif
 
 namespace flash {
 
@@ -61,14 +43,8 @@ struct HopperBwdTraits {
     // dK's and dV's columns, the N of dV += P^T dO_i and dK += dS^T Q_i (<= kHeadDim: the tile's columns past it,
     // zeros from TMA, are not read); dQ keeps whole 64-column blocks per warpgroup.
     static constexpr int kDkvDim = kDkvDim_;
-    static constexpr int kNWarpgroups = 2;  // consumers: they compute
-    static constexpr int kNConsumerThreads = kNWarpgroups * kWarpgroupThreads;
-    static constexpr bool kProducerWg = FLASH_BWD_PRODUCER_WG != 0;
-    static constexpr int kNThreads = kNConsumerThreads + (kProducerWg ? kWarpgroupThreads : 0);
-    // kProducerWg: registers per thread after setmaxnreg, 24 and 240 (the forward's split of three warpgroups).
-    static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = setmaxnreg_consumer_regs(kNWarpgroups, kProducerRegs);
-    static constexpr int kDsStages = FLASH_BWD_TWO_DS_STAGES != 0 ? 2 : 1;  // sdS by iteration parity
+    static constexpr int kNWarpgroups = 2;
+    static constexpr int kNThreads = kNWarpgroups * kWarpgroupThreads;
     static constexpr int kBlockN = kNWarpgroups * kWarpgroupRows;  // keys per thread block, 64 per warpgroup
     static constexpr int kBlockM = kBlockM_;                       // queries per iteration: N of S^T and dP^T
     static constexpr int kNStages = 2;                             // Q_i / dO_i / L_i / D_i double-buffered
@@ -90,11 +66,10 @@ struct HopperBwdTraits {
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;      // one stage of Q or dO, swizzled
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
-    static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kDsStages * kSmemDsBytes;
+    static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
     static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
     static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of d_rounded), reduced by iteration i+1
-    // mbarriers: K/V, Q_i/dO_i per stage (full), and with kProducerWg the stages' empty ones
-    static constexpr int kSmemBarBytes = 8 * (1 + (kProducerWg ? 2 : 1) * kNStages);
+    static constexpr int kSmemBarBytes = 8 * (1 + kNStages);                 // mbarriers: K/V, Q_i/dO_i per stage
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes = kSmemTileBytes + kSmemRowStatBytes + kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
 
@@ -111,9 +86,6 @@ struct HopperBwdTraits {
     static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kSwizzleBlockElems,
                   "dK's and dV's N: whole n16 tiles that reach into the tile's last 64-column block");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
-    static_assert(!kProducerWg || kDqBeforeDk, "the producer warpgroup's stage release follows FA3's matmul order");
-    static_assert(kDsStages == 1 || kProducerWg, "two dS^T stages replace the barrier that, without the producer "
-                                                 "warpgroup, also frees the Q_i / dO_i stage and sdQ");
 };
 
 // Which head dims have a Hopper backward (only when the build includes sm_90a; see HopperFwdConfig).

@@ -85,11 +85,6 @@ __device__ __forceinline__ void mbarrier_arrive_per_warp(uint32_t bar, int lane)
     __syncwarp();
     if (lane == 0) mbarrier_arrive(bar);
 }
-// This thread's arrival on the mbarrier once every cp.async it issued before has landed (.noinc: one of the
-// arrivals the barrier's init counted).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
     asm volatile(
         "{\n.reg .pred done;\nWAIT:\n"
