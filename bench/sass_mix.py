@@ -166,6 +166,32 @@ def ptx_arch(ptx: str) -> str:
     return m.group(1) if m else "sm_90a"
 
 
+# ptxas's refusal of a PTX ISA newer than its own, e.g. "Unsupported .version 9.4; current version is '9.0'"
+NEWER_PTX = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
+
+
+def ptx_at_version(ptx: str, version: str) -> str:
+    """The PTX with its .version line set to `version`."""
+    return re.sub(r"^(\s*\.version\s+)\d+\.\d+", lambda m: m.group(1) + version, ptx, count=1, flags=re.MULTILINE)
+
+
+def assemble_ptx(path: Path, cubin: Path) -> None:
+    """ptxas on a PTX file. PTX of a newer ISA than this ptxas reads (FA4's CuTe DSL writes its own toolkit's) is
+    assembled again as this ptxas's version, with a note: instructions the older ISA lacks still fail then."""
+    ptx = path.read_text()
+    cmd = [_tool("ptxas"), f"-arch={ptx_arch(ptx)}", "-O3", "-o", str(cubin)]
+    done = subprocess.run(cmd + [str(path)], capture_output=True, text=True)
+    newer = NEWER_PTX.search(done.stderr + done.stdout)
+    if done.returncode != 0 and newer:
+        print(f"sass_mix: note: {path.name} is PTX {newer.group(1)}, this ptxas reads up to {newer.group(2)}: "
+              f"assembled as {newer.group(2)}", file=sys.stderr)
+        older = cubin.with_suffix(".ptx")
+        older.write_text(ptx_at_version(ptx, newer.group(2)))
+        _run(cmd + [str(older)])
+    elif done.returncode != 0:
+        _run(cmd + [str(path)])  # the failure again, reported as every tool's is
+
+
 def sass_text(path: Path) -> str:
     """The SASS listing of a .sass / .txt file as it is, of a .ptx after ptxas, of anything else by cuobjdump."""
     if path.suffix in (".sass", ".txt"):
@@ -173,7 +199,7 @@ def sass_text(path: Path) -> str:
     if path.suffix == ".ptx":
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / (path.stem + ".cubin")
-            _run([_tool("ptxas"), f"-arch={ptx_arch(path.read_text())}", "-O3", "-o", str(cubin), str(path)])
+            assemble_ptx(path, cubin)
             return _run([_tool("cuobjdump"), "-sass", str(cubin)])
     return _run([_tool("cuobjdump"), "-sass", str(path)])
 
