@@ -16,8 +16,8 @@
 //            dS^T -> shared memory (swizzled, keys x queries); block barrier
 //   line 16  dQ_i += dS_i K_j          ss: A = dS^T read M-major (transposed by the instruction), B = K (N-major);
 //            each warpgroup 64 queries x kDqCols over all 128 keys (hopper_bwd_traits.h), staged in shared
-//            memory (fp32) and added into dq_accum by one bulk reduce of the TMA unit, issued by iteration i+1
-//            once its dP^T is on the tensor cores (or after the loop).
+//            memory (fp32, two stages by iteration parity) and added into dq_accum by one bulk reduce of the TMA
+//            unit, issued by iteration i+1 once its dP^T is on the tensor cores (or after the loop).
 // At kBlockM = 64 (kIssueNextSEarly) S^T_{i+1} is issued at the end of iteration i, after the dQ_i stores, so the
 // barrier that closes the iteration and the next block's loads run under a matmul.
 // kDqBeforeDk (a build switch, hopper_bwd_traits.h) takes FA3's order: dV before the dS^T barrier, then dQ_i and dK
@@ -84,10 +84,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
-    float* sdQ = sDelta + kNStages * kBlockM;  // [kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled by row
+    float* sdQ = sDelta + kNStages * kBlockM;  // [kDqStages][kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled
     const uint32_t sdQ_addr = smem_addr(sdQ);
     constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (d_rounded)
-    const uint32_t full_kv = sdQ_addr + Traits::kSmemDqBytes;       // mbarriers: K_j and V_j landed,
+    const uint32_t full_kv = sdQ_addr + Traits::kDqStages * Traits::kSmemDqBytes;  // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
     // Causal: from 2048 keys, longest key blocks first, (batch, head) pairs in L2-sized groups (causal_order.h).
@@ -165,15 +165,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         cp_async_commit();
     };
 
-    // dQ_i of query block m_block, staged in sdQ, added into dq_accum by the TMA unit: one bulk reduce-add of the
-    // tile's rows (as many as Tq has) from thread 0, in the chunk-swizzled layout that dq_accum shares with sdQ
+    // dQ_i of query block m_block, staged in its sdQ stage, added into dq_accum by the TMA unit: one bulk reduce-add
+    // of the tile's rows (as many as Tq has) from thread 0, in the chunk-swizzled layout that dq_accum shares with sdQ
     // (dq_accum_chunk, dq_accum_layout.h). The threads' own adds (16-byte red.global.add from sdQ) would take issue
     // slots and LSU bandwidth from the softmax's warps. Thread 0 waits for the reduce's shared-memory reads before
-    // the barrier that precedes the next sdQ stores.
+    // the barrier that precedes the stage's next stores, two iterations later.
     auto reduce_dq = [&](int m_block) {
         if (tid == 0) {
             const int row0 = m_block * kBlockM;
-            bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, sdQ_addr,
+            const uint32_t dq_stage = ((m_block - m_block_min) % Traits::kDqStages) * Traits::kSmemDqBytes;
+            bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, sdQ_addr + dq_stage,
                                 min(kBlockM, seqlen_q - row0) * kDqRow * static_cast<int>(sizeof(float)));
             bulk_commit_group();
         }
@@ -249,6 +250,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const float* sLse_st = sLse + stage * kBlockM;
         const float* sDelta_st = sDelta + stage * kBlockM;
         const int query0 = m_block * kBlockM;
+        const uint32_t dq_off = (iter % Traits::kDqStages) * Traits::kSmemDqBytes;  // dQ_i's sdQ stage
 
         // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
         if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
@@ -352,8 +354,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_commit();
 
         // Line 16 once both warpgroups' dS^T are in shared memory: dQ_i (this warpgroup's tile) = dS K. Past
-        // this barrier sdQ is free: the reduce of iteration i-1 has read it.
-        if (tid == 0) bulk_wait_group_read<0>();
+        // this barrier dQ_i's stage is free: the reduce of iteration i-2 has read it (that of i-1 may still read
+        // the other stage).
+        if (tid == 0) bulk_wait_group_read<Traits::kDqStages - 1>();
         fence_view_async_shared();
         __syncthreads();
         // This warpgroup's dQ_i into dq, kCols columns: issued, completed (kDqBeforeDk: with dK behind it) and
@@ -384,8 +387,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 pin_registers(p_frag);
                 pin_registers(ds_frag);
             }
-            // To this warpgroup's part of sdQ (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t + {0, 1});
-            // columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
+            // To this warpgroup's part of dQ_i's sdQ stage (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t
+            // + {0, 1}); columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
             // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -394,8 +397,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 for (int i = 0; i < kCols / kMmaN; ++i) {
                     const int col = dq_col0 + i * kMmaN + 2 * t;
                     if (col < kDqRow) {  // 8-byte stores by asm: through a float2 pointer nvcc splits half of them
-                        st_shared_f32x2(sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4),
-                                        dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+                        st_shared_f32x2(
+                            sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4) + dq_off,
+                            dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                     }
                 }
             }

@@ -69,9 +69,14 @@ struct HopperBwdTraits {
     static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
     static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
     static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of d_rounded), reduced by iteration i+1
+    // sdQ by iteration parity: before the barrier that publishes dS^T_i, the thread issuing the reduces waits for the
+    // TMA unit's reads of dQ_{i-2} (one iteration old), not of dQ_{i-1} (issued in this iteration), so that the other
+    // warps do not wait at that barrier for the reduce.
+    static constexpr int kDqStages = 2;
     static constexpr int kSmemBarBytes = 8 * (1 + kNStages);                 // mbarriers: K/V, Q_i/dO_i per stage
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
-    static constexpr int kSmemBytes = kSmemTileBytes + kSmemRowStatBytes + kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
+    static constexpr int kSmemBytes =
+        kSmemTileBytes + kSmemRowStatBytes + kDqStages * kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
