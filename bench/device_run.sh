@@ -12,6 +12,10 @@
 #                                                    # `varlen --cases corpus lognormal fixed1k fixed2k fixed4k`, `varlen --cases window`
 #   bash bench/device_run.sh ncu [ncu_compare.py args]  # Nsight Compute on ours and FA4 (where it imports) for one
 #                                                    # case, side by side (e.g. --hdim 128 --seqlen 8192 --causal 0)
+#   bash bench/device_run.sh source [ncu_source.py profile args]  # Nsight Compute's source view of ours and FA4
+#                                                    # (where it imports): warp-stall samples per SASS instruction,
+#                                                    # gzipped CSVs in $OUT (e.g. --hdim 128 --seqlen 8192 --causal 1
+#                                                    # --mode bwd); bench/ncu_source.py summary reads them anywhere
 #   bash bench/device_run.sh sass [kernel.py args]   # FA4's kernels of that case as PTX in $OUT/fa4_ptx, for
 #                                                    # bench/sass_mix.py to count their main loops beside ours
 #                                                    # (e.g. --hdims 128 --causal 1 --seqlens 8192 --modes bwd)
@@ -48,7 +52,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
-usage="bench/device_run.sh check|python|kernel|varlen|candidate|candidates|ncu|sass|e2e|multi|launchers [args]"
+usage="bench/device_run.sh check|python|kernel|varlen|candidate|candidates|ncu|source|sass|e2e|multi|launchers [args]"
 stage=${1:?usage: $usage}
 shift
 
@@ -246,6 +250,11 @@ ncu)
     log="ncu_$(ls "$OUT"/ncu_*.log 2>/dev/null | wc -l)"  # one log per stage run when stages are chained
     step 540 "$log" $PY bench/ncu_compare.py --out "$OUT/ncu.json" "$@"
     grep -E "^\||^[A-Z].*: hd" "$OUT/$log.log"
+    ;;
+source)
+    build_quietly
+    step 540 ncu_source $PY bench/ncu_source.py profile --raw "$OUT" "$@"
+    grep -E "^###|^stall reasons|^\| [0-9]|^note" "$OUT/ncu_source.log" | head -n 80
     ;;
 sass)
     # FA4's kernels for kernel.py's case as PTX (CUTE_DSL_KEEP_PTX: the DSL writes each kernel it compiles into
