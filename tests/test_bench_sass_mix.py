@@ -1,5 +1,6 @@
 """bench/sass_mix.py on SASS listings written here: which loop is the main one, how instructions are classed, the
-table, and the inputs it refuses. No CUDA tools needed."""
+table, and the inputs it refuses; where the CUDA toolkit is on PATH, a PTX file through ptxas and cuobjdump, and PTX
+of a newer ISA than that ptxas reads."""
 
 from __future__ import annotations
 
@@ -147,34 +148,37 @@ extern "C" __global__ void scale_rows(float* x, int n, int steps) {
 """
 
 
-def test_a_ptx_file_goes_through_ptxas_and_cuobjdump(tmp_path):
-    # The tools the real inputs need: nvcc makes the PTX; ptxas and cuobjdump are the CUDA toolkit's.
+@pytest.fixture
+def loop_ptx(tmp_path):
+    """LOOP_KERNEL as PTX from nvcc (this toolkit's PTX ISA); the CUDA toolkit's tools turn it into SASS."""
     missing = [tool for tool in ("nvcc", "ptxas", "cuobjdump", "nvdisasm") if sm.shutil.which(tool) is None]
     if missing:
         pytest.skip(f"{', '.join(missing)} not on PATH: the CUDA toolkit turns the PTX into SASS")
     source, ptx = tmp_path / "loop.cu", tmp_path / "loop.ptx"
     source.write_text(LOOP_KERNEL)
     sm._run(["nvcc", "-ptx", "-O3", "-arch=compute_90a", str(source), "-o", str(ptx)])
-    (m,) = sm.read_inputs([f"loop={ptx}"], "scale_rows")
+    return ptx
+
+
+def test_a_ptx_file_goes_through_ptxas_and_cuobjdump(loop_ptx):
+    (m,) = sm.read_inputs([f"loop={loop_ptx}"], "scale_rows")
     assert m.kernel == "scale_rows" and m.loop is not None
     assert m.classes["special function (MUFU)"] >= 1 and m.classes["branches"] >= 1
     assert sum(m.classes.values()) == m.total
 
 
-def test_ptx_of_a_newer_isa_is_assembled_at_this_ptxas_version(tmp_path, capsys):
+def test_a_newer_ptx_version_is_recognized_and_rewritten():
     # FA4's CuTe DSL writes PTX of its own toolkit's ISA (9.4 from CUTLASS DSL 4.8), which an older ptxas refuses.
     assert sm.ptx_at_version("//\n.version 9.4\n.target sm_90a\n", "9.0") == "//\n.version 9.0\n.target sm_90a\n"
-    assert sm.NEWER_PTX.search("ptxas x.ptx, line 9; fatal   : Unsupported .version 9.4; current version is '9.0'")
-    missing = [tool for tool in ("nvcc", "ptxas", "cuobjdump", "nvdisasm") if sm.shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not on PATH: the CUDA toolkit turns the PTX into SASS")
-    source, ptx = tmp_path / "loop.cu", tmp_path / "loop.ptx"
-    source.write_text(LOOP_KERNEL)
-    sm._run(["nvcc", "-ptx", "-O3", "-arch=compute_90a", str(source), "-o", str(ptx)])
-    newer = tmp_path / "newer.ptx"
-    own = re.search(r"^\.version (\S+)", ptx.read_text(), re.MULTILINE).group(1)
+    said = sm.NEWER_PTX.search("ptxas x.ptx, line 9; fatal   : Unsupported .version 9.4; current version is '9.0'")
+    assert said.groups() == ("9.4", "9.0")
+
+
+def test_ptx_of_a_newer_isa_is_assembled_at_this_ptxas_version(loop_ptx, tmp_path, capsys):
+    own = re.search(r"^\.version (\S+)", loop_ptx.read_text(), re.MULTILINE).group(1)
     major, minor = own.split(".")
-    newer.write_text(sm.ptx_at_version(ptx.read_text(), f"{major}.{int(minor) + 1}"))
+    newer = tmp_path / "newer.ptx"
+    newer.write_text(sm.ptx_at_version(loop_ptx.read_text(), f"{major}.{int(minor) + 1}"))
     (m,) = sm.read_inputs([f"newer={newer}"], "scale_rows")
     assert m.kernel == "scale_rows" and m.loop is not None
     assert f"assembled as {own}" in capsys.readouterr().err
