@@ -3,6 +3,7 @@
 # own system python with torch + CUDA). Logs and result files are packed into $OUT.
 #
 #   bash bench/device_run.sh check                 # build, the whole test suite, sanitizers, train.py per attention
+#   bash bench/device_run.sh sanitize              # build, memcheck and racecheck (python -m flash_kernel.sanitize)
 #   bash bench/device_run.sh python                # build, the GPU tests of the model, fusion, loss and training
 #                                                    # runs (tests/test_*.py, tests/kernel/test_model_flash.py),
 #                                                    # one training run per attention
@@ -52,7 +53,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
-usage="bench/device_run.sh check|python|kernel|varlen|candidate|candidates|ncu|source|sass|e2e|multi|launchers [args]"
+usage="bench/device_run.sh check|sanitize|python|kernel|varlen|candidate|candidates|ncu|source|sass|e2e|multi|launchers [args]"
 stage=${1:?usage: $usage}
 shift
 
@@ -148,7 +149,7 @@ check)
     tail -n 3 "$OUT/build.log"
     step 420 test make PYTHON="$PY" test ARGS="-q -rfEs --durations=10"
     tail -n 25 "$OUT/test.log"
-    step 240 sanitize make PYTHON="$PY" sanitize
+    step 420 sanitize make PYTHON="$PY" sanitize  # racecheck alone takes about 200 s on an H200
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|error" "$OUT/sanitize.log" | tail -n 6
     # The pipeline per attention on the default model, W&B offline: the run files must carry perf/mfu.
     train_per_attention 240 150 flash sdpa naive
@@ -156,6 +157,14 @@ check)
     step 180 train_naive_oom $PY train.py attention=naive model=gpt3-1.3b seq_len=8192 data.batch_size=2 \
         trainer.max_steps=2 logger=none
     tail -n 2 "$OUT/train_naive_oom.log"
+    ;;
+sanitize)
+    # compute-sanitizer on the package's build, memcheck then racecheck, each a step of its own
+    build_quietly
+    for tool in memcheck racecheck; do
+        step 400 "$tool" compute-sanitizer --tool $tool --error-exitcode 1 $PY -m flash_kernel.sanitize
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases passed" "$OUT/$tool.log" | tail -n 2
+    done
     ;;
 python)
     build_quietly
