@@ -388,8 +388,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 pin_registers(ds_frag);
             }
             // To this warpgroup's part of dQ_i's sdQ stage (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t
-            // + {0, 1}); columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then visible to
-            // the TMA unit (the async proxy), which the next iteration's reduce, or the one after the loop, is.
+            // + {0, 1}); columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then
+            // visible to the TMA unit (the async proxy), which the next iteration's reduce, or the one after the
+            // loop, is.
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = dq_row0 + wg_row + 8 * r;

@@ -411,7 +411,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // A K, V or Q stage is free for the producer once this thread's (warp's) wgmmas that read it completed.
     auto release = [&](uint32_t empty) {
         if constexpr (Traits::kArrivePerWarp) {
-            mbarrier_arrive_per_warp(empty, lane);
+            __syncwarp();  // every lane of the warp passed its wgmma wait
+            if (lane == 0) mbarrier_arrive(empty);
         } else {
             mbarrier_arrive(empty);
         }

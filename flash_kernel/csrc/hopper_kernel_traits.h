@@ -22,15 +22,6 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpgroupRows = 64;               // wgmma's M
 constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers (flash_fwd_hopper_kernel.cuh)
 
-// setmaxnreg's split of a block of one producer and n consumer warpgroups: from the launch bound's even split
-// (65536 registers over the block's threads, rounded down to 8) the producer gives all but producer_regs to the
-// consumers, which share them in multiples of 8.
-constexpr int setmaxnreg_entry_regs(int warpgroups) { return 65536 / (warpgroups * kWarpgroupThreads) / 8 * 8; }
-constexpr int setmaxnreg_consumer_regs(int consumer_warpgroups, int producer_regs) {
-    return (setmaxnreg_entry_regs(consumer_warpgroups + 1) * (consumer_warpgroups + 1) - producer_regs) /
-           consumer_warpgroups / 8 * 8;
-}
-
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
@@ -69,9 +60,9 @@ struct HopperFwdTraits {
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
     // share the rest, 240 each for two (hd128's consumers need about 234) and 160 for three (hd64: about 154). More
     // for the producer would leave the consumers' inc waiting for registers that never come free.
-    static constexpr int kEntryRegs = setmaxnreg_entry_regs(kNWarpgroups + 1);
+    static constexpr int kEntryRegs = 65536 / kNThreads / 8 * 8;
     static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = setmaxnreg_consumer_regs(kNWarpgroups, kProducerRegs);
+    static constexpr int kConsumerRegs = (kEntryRegs * (kNWarpgroups + 1) - kProducerRegs) / kNWarpgroups / 8 * 8;
     // kIntraWgOverlap keeps three register arrays live through the softmax of S_j: acc_o, S_j (both fp32) and P_{j-1}
     // (16-bit pairs, the in-flight P V's A operand), 128 registers at hd64 with 128-key blocks, 208 at hd128 with 192.
     // The rest of the consumer (m_i, l_i, O's correction factors, row limits, addresses, loop state) takes 24-30 more:

@@ -80,11 +80,6 @@ __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// One arrival per warp, once every lane has passed what it waited for (a wgmma wait before freeing a stage).
-__device__ __forceinline__ void mbarrier_arrive_per_warp(uint32_t bar, int lane) {
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar);
-}
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
     asm volatile(
         "{\n.reg .pred done;\nWAIT:\n"
