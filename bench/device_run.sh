@@ -304,8 +304,7 @@ launchers)
     grep -E "^\[launchers\]|^\|" "$OUT/launchers.log"
     ;;
 *)
-    echo "unknown stage $stage (check | python | kernel | varlen | candidate | candidates | ncu | sass | e2e |" \
-        "multi | launchers)" >&2
+    echo "unknown stage $stage; usage: $usage" >&2
     exit 2
     ;;
 esac

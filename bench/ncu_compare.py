@@ -98,20 +98,37 @@ DEVICE_COLUMN = "device__attribute_display_name"
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 
 
-def ncu_command(ncu: str, method: str, hdim: int, seqlen: int, causal: int, mode: str,
-                regex: str | None = None) -> list[str]:
-    """The ncu command that profiles `method`'s main kernel once, after ncu_case.py's warm-up call (-s 1)."""
+def find_ncu(name: str) -> str:
+    """The path of Nsight Compute's ncu, `name` looked up on PATH."""
+    path = shutil.which(name)
+    if path is None:
+        raise SystemExit(f"{name!r} is not on PATH: Nsight Compute's ncu profiles the kernels (or set NCU)")
+    return path
+
+
+def kernel_filter(method: str, mode: str, regex: str | None = None) -> list[str]:
+    """ncu's options that profile `method`'s main kernel once, after ncu_case.py's warm-up call (-s 1)."""
     pattern = regex or KERNELS.get((method, mode))
     if pattern is None:
         raise SystemExit(f"no kernel pattern for {method} {mode}: give --kernel-regex")
+    return ["-k", f"regex:{pattern}", "-s", "1", "-c", "1"]
+
+
+def case_command(method: str, hdim: int, seqlen: int, causal: int, mode: str) -> list[str]:
+    """bench/ncu_case.py running the case once after its warm-up call, the program ncu profiles."""
+    return [sys.executable, str(REPO / "bench" / "ncu_case.py"), "--method", method, "--hdim", str(hdim),
+            "--seqlen", str(seqlen), "--causal", str(causal), "--mode", mode, "--iters", "1", "--inputs", "bthd"]
+
+
+def ncu_command(ncu: str, method: str, hdim: int, seqlen: int, causal: int, mode: str,
+                regex: str | None = None) -> list[str]:
+    """The ncu command that profiles `method`'s main kernel once and prints its metrics as the raw page's CSV."""
     return [ncu, "--set", "full", "--page", "raw", "--csv", "--print-units", "base", "--kernel-name-base", "demangled",
-            "-k", f"regex:{pattern}",
-            "-s", "1", "-c", "1", sys.executable, str(REPO / "bench" / "ncu_case.py"), "--method", method,
-            "--hdim", str(hdim), "--seqlen", str(seqlen), "--causal", str(causal), "--mode", mode, "--iters", "1",
-            "--inputs", "bthd"]
+            *kernel_filter(method, mode, regex), *case_command(method, hdim, seqlen, causal, mode)]
 
 
-def _number(text: str) -> float | None:
+def csv_number(text: str) -> float | None:
+    """An ncu CSV cell as a number ("1,024" -> 1024.0); None for "-", "n/a" and empty cells."""
     try:
         return float(text.replace(",", ""))
     except ValueError:
@@ -132,7 +149,7 @@ def parse_raw_csv(text: str) -> list[dict]:
         if len(row) != len(header):
             continue
         cells = dict(zip(header, row))
-        values = {m: v for m, v in ((m, _number(c)) for m, c in cells.items()) if v is not None}
+        values = {m: v for m, v in ((m, csv_number(c)) for m, c in cells.items()) if v is not None}
         kernels.append({"kernel": cells["Kernel Name"], "device": cells.get(DEVICE_COLUMN) or None, "units": units,
                         "values": values})
     return kernels
@@ -218,9 +235,7 @@ def rows_from_raw(args: argparse.Namespace) -> list[dict]:
 
 def profile(args: argparse.Namespace, regexes: dict[str, str]) -> list[dict]:
     """Each method of args.methods profiled by ncu on this GPU, its raw CSV saved under RAW: the rows."""
-    ncu = shutil.which(args.ncu)
-    if ncu is None:
-        raise SystemExit(f"{args.ncu!r} is not on PATH: Nsight Compute's ncu profiles the kernels (or set NCU)")
+    ncu = find_ncu(args.ncu)
 
     import torch
 

@@ -24,7 +24,6 @@ import gzip
 import io
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.ncu_compare import KERNELS, RAW  # noqa: E402
+from bench.ncu_compare import RAW, csv_number, case_command, find_ncu, kernel_filter  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -63,12 +62,9 @@ class View:
         return sum(line.samples for line in self.lines)
 
 
-def _number(text: str) -> float:
-    text = text.replace(",", "").strip()
-    try:
-        return float(text)
-    except ValueError:  # "-" and empty cells
-        return 0.0
+def _count(cell: str) -> float:
+    """A cell's count; "-" and empty cells count nothing."""
+    return csv_number(cell) or 0.0
 
 
 def read_csv_text(path: Path) -> str:
@@ -95,9 +91,9 @@ def parse_source_csv(text: str, label: str = "") -> View:
     for row in rows[1:]:
         if len(row) != len(header):
             continue
-        lines.append(Line(len(lines), row[col["Source"]].strip(), _number(row[col[SAMPLES]]),
-                          _number(row[col[EXECUTED]]) if EXECUTED in col else 0.0,
-                          {name: _number(row[i]) for i, name in reasons}))
+        lines.append(Line(len(lines), row[col["Source"]].strip(), _count(row[col[SAMPLES]]),
+                          _count(row[col[EXECUTED]]) if EXECUTED in col else 0.0,
+                          {name: _count(row[i]) for i, name in reasons}))
     if not lines:
         raise SystemExit(f"ncu_source: {label or 'the input'} holds no instruction rows")
     return View(label, kernel, lines)
@@ -165,21 +161,14 @@ def source_name(method: str, args: argparse.Namespace) -> str:
 def profile_commands(ncu: str, method: str, args: argparse.Namespace, report: Path, regex: str | None = None):
     """The ncu command that profiles `method`'s main kernel into `report` (.ncu-rep), and the one that exports its
     source page."""
-    pattern = regex or KERNELS.get((method, args.mode))
-    if pattern is None:
-        raise SystemExit(f"ncu_source: no kernel pattern for {method} {args.mode}: give --kernel-regex")
-    run = [ncu, "--set", "full", "--import-source", "yes", "-k", f"regex:{pattern}", "-s", "1", "-c", "1", "-f",
-           "-o", str(report), sys.executable, str(REPO / "bench" / "ncu_case.py"), "--method", method,
-           "--hdim", str(args.hdim), "--seqlen", str(args.seqlen), "--causal", str(args.causal), "--mode", args.mode,
-           "--iters", "1", "--inputs", "bthd"]
+    run = [ncu, "--set", "full", "--import-source", "yes", *kernel_filter(method, args.mode, regex), "-f",
+           "-o", str(report), *case_command(method, args.hdim, args.seqlen, args.causal, args.mode)]
     export = [ncu, "--import", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"]
     return run, export
 
 
 def profile(args: argparse.Namespace, regexes: dict) -> list[View]:
-    ncu = shutil.which(args.ncu)
-    if ncu is None:
-        raise SystemExit(f"ncu_source: {args.ncu!r} is not on PATH (Nsight Compute's ncu; or set NCU)")
+    ncu = find_ncu(args.ncu)
     args.raw.mkdir(parents=True, exist_ok=True)
     views = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -152,12 +152,16 @@ def _tool(name: str) -> str:
     return path
 
 
-def _run(args: list[str]) -> str:
-    done = subprocess.run(args, capture_output=True, text=True)
+def _checked(done: subprocess.CompletedProcess) -> str:
+    """A tool's output, or its failure as an error naming the tool and its last line."""
     if done.returncode != 0:
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()
-        raise SystemExit(f"sass_mix: {' '.join(args[:2])} failed: {said[-1] if said else done.returncode}")
+        raise SystemExit(f"sass_mix: {' '.join(done.args[:2])} failed: {said[-1] if said else done.returncode}")
     return done.stdout
+
+
+def _run(args: list[str]) -> str:
+    return _checked(subprocess.run(args, capture_output=True, text=True))
 
 
 def ptx_arch(ptx: str) -> str:
@@ -181,15 +185,15 @@ def assemble_ptx(path: Path, cubin: Path) -> None:
     ptx = path.read_text()
     cmd = [_tool("ptxas"), f"-arch={ptx_arch(ptx)}", "-O3", "-o", str(cubin)]
     done = subprocess.run(cmd + [str(path)], capture_output=True, text=True)
-    newer = NEWER_PTX.search(done.stderr + done.stdout)
-    if done.returncode != 0 and newer:
-        print(f"sass_mix: note: {path.name} is PTX {newer.group(1)}, this ptxas reads up to {newer.group(2)}: "
-              f"assembled as {newer.group(2)}", file=sys.stderr)
-        older = cubin.with_suffix(".ptx")
-        older.write_text(ptx_at_version(ptx, newer.group(2)))
-        _run(cmd + [str(older)])
-    elif done.returncode != 0:
-        _run(cmd + [str(path)])  # the failure again, reported as every tool's is
+    newer = NEWER_PTX.search(done.stderr + done.stdout) if done.returncode != 0 else None
+    if newer is None:
+        _checked(done)
+        return
+    print(f"sass_mix: note: {path.name} is PTX {newer.group(1)}, this ptxas reads up to {newer.group(2)}: "
+          f"assembled as {newer.group(2)}", file=sys.stderr)
+    older = cubin.with_suffix(".ptx")
+    older.write_text(ptx_at_version(ptx, newer.group(2)))
+    _run(cmd + [str(older)])
 
 
 def sass_text(path: Path) -> str:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench import ncu_source as ns
+from bench.ncu_compare import KERNELS
 
 # The shape of `ncu --import r.ncu-rep --page source --csv --print-source sass`: the kernel's name, a header (ncu
 # 2025.3.1 has some 70 columns; these are the ones read, a few others, and a "(Not Issued)" twin), one row per SASS
@@ -78,7 +79,7 @@ def test_a_profile_runs_ncu_case_under_ncu_then_exports_the_source_page(tmp_path
     args = SimpleNamespace(hdim=128, seqlen=8192, causal=1, mode="bwd")
     run, export = ns.profile_commands("ncu", "ours", args, tmp_path / "ours")
     assert run[:3] == ["ncu", "--set", "full"] and ["--import-source", "yes"] == run[3:5]
-    assert f"regex:{ns.KERNELS[('ours', 'bwd')]}" in run and ["-s", "1", "-c", "1"] == run[7:11]
+    assert f"regex:{KERNELS[('ours', 'bwd')]}" in run and ["-s", "1", "-c", "1"] == run[7:11]
     assert run[run.index("-o") + 1] == str(tmp_path / "ours") and run[-2:] == ["--inputs", "bthd"]
     assert export == ["ncu", "--import", f"{tmp_path / 'ours'}.ncu-rep", "--page", "source", "--csv",
                       "--print-source", "sass"]
