@@ -361,7 +361,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         __syncthreads();
         // This warpgroup's dQ_i into dq, kCols columns: issued, completed (kDqBeforeDk: with dK behind it) and
         // stored. The last warpgroup's are Traits::kDqColsLast, fewer where FLASH_BWD_NARROW_DQ leaves out K's zero
-        // columns; each width has an array of its own (one array for both makes ptxas serialize the wgmmas).
+        // columns (none under FLASH_BWD_DQ_SINGLE_WG, whose first warpgroup takes them all); each width has an array
+        // of its own (one array for both makes ptxas serialize the wgmmas).
         auto dq_tile = [&](auto& dq) {
             constexpr int kCols = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(dq)>>);
             wgmma_fence();
@@ -405,7 +406,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 }
             }
         };
-        if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
+        if constexpr (Traits::kDqSingleWg) {
+            if (wg == 0) {
+                float dq[Traits::kDqCols / 2];
+                dq_tile(dq);
+            } else {
+                // No dQ_i here: kDqBeforeDk's dK goes on the tensor cores right behind dV (the fence: ds_frag was
+                // written since the last wgmma), and dV completes as in dq_tile.
+                if constexpr (Traits::kDqBeforeDk) {
+                    wgmma_fence();
+                    issue_dk();
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                    pin_registers(acc_dv);
+                    pin_registers(p_frag);
+                } else {
+                    wgmma_wait<0>();
+                    pin_registers(acc_dv);
+                    pin_registers(acc_dk);
+                    pin_registers(p_frag);
+                    pin_registers(ds_frag);
+                }
+            }
+        } else if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
             float dq[Traits::kDqCols / 2];
             dq_tile(dq);
         } else {
