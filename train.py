@@ -33,7 +33,7 @@ from model.lit_gpt import LitGPT, NonFiniteLossError, ResumeError
 from recipe.batch import describe_global_batch, set_accumulation
 from recipe.checkpoint_files import CheckpointError
 from recipe.checks import ConfigError, validate
-from recipe.launch import describe_launch, detect_launcher, output_dir
+from recipe.launch import describe_launch, detect_launcher, output_dir, release_process_group
 from recipe.oom import TrainingOutOfMemory, explain_oom
 from recipe.preemption import Preempted, stopped
 from recipe.preflight import check_writable, describe_cpu_default
@@ -118,6 +118,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for cb in trainer.callbacks:
         metrics.update(getattr(cb, "last_metrics", {}))
     write_run_summary(trainer, metrics, Path(cfg.output_dir))
+    release_process_group()  # every rank is past fit: no collective is left to run
     return metrics
 
 

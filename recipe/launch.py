@@ -139,6 +139,15 @@ def output_dir(cfg) -> str:
     return os.getcwd()
 
 
+def release_process_group() -> None:
+    """Destroy torch.distributed's default process group where one exists, at the end of a run. Lightning destroys
+    an NCCL group at exit (an atexit handler) but leaves gloo's (CPU ranks), whose worker threads the interpreter's
+    teardown can then destroy while they are still joinable: the process aborts ("terminate called without an
+    active exception", exit status -6) after the run has finished and written everything."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def describe_launch(trainer, launcher: Launcher) -> str:
     """One line: the ranks, the devices they run on, the nodes, the strategy and what started the ranks."""
     device = trainer.strategy.root_device

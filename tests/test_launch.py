@@ -16,7 +16,7 @@ from run_overrides import compose_train, tiny_run_overrides
 from two_ranks import free_port
 from recipe import oom
 from recipe.checks import ConfigError, validate_trainer
-from recipe.launch import Launcher, detect_launcher, run_name, shared_launch_id
+from recipe.launch import Launcher, detect_launcher, release_process_group, run_name, shared_launch_id
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_KEYS = ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "SLURM_NTASKS",
@@ -160,6 +160,21 @@ CPU_ENV = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_KEYS}, "PYT
 def _shared_dir_overrides(data_cache, out, *extra):
     """tiny_run_overrides without output_dir / hydra.run.dir: the ranks must agree on the run directory."""
     return [o for o in tiny_run_overrides(data_cache, out, *extra) if not o.startswith(("output_dir=", "hydra.run.dir="))]
+
+
+def test_a_run_releases_its_process_group_and_a_run_without_one_is_unaffected():
+    """release_process_group, which train() calls last, destroys gloo's group (Lightning leaves it to the
+    interpreter's teardown, which now and then aborted a two-rank CPU run at exit); without a group it does
+    nothing."""
+    release_process_group()  # no group: a no-op
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert torch.distributed.is_initialized()
+        release_process_group()
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
