@@ -122,7 +122,8 @@ candidate_sanitizers() {  # memcheck on every build of BUILDS at once, then race
     for tool in memcheck racecheck; do
         on_each_build 540 $tool compute-sanitizer --tool $tool --error-exitcode 1 $PY -m flash_kernel.sanitize || rc=1
         for pair in "${BUILDS[@]}"; do
-            echo "${pair%%=*}: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/${tool}_${pair%%=*}.log" | tail -n 1)"
+            echo "${pair%%=*}: $(grep -E "cases passed|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/${tool}_${pair%%=*}.log" \
+                | tail -n 2 | paste -sd ' ')"
         done
     done
     return $rc
@@ -159,12 +160,10 @@ check)
     tail -n 2 "$OUT/train_naive_oom.log"
     ;;
 sanitize)
-    # compute-sanitizer on the package's build, memcheck then racecheck, each a step of its own
+    # compute-sanitizer on the package's build, memcheck then racecheck: the candidate stages' steps on one build
     build_quietly
-    for tool in memcheck racecheck; do
-        step 400 "$tool" compute-sanitizer --tool $tool --error-exitcode 1 $PY -m flash_kernel.sanitize
-        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|cases passed" "$OUT/$tool.log" | tail -n 2
-    done
+    BUILDS=("package=$(ls "$PWD"/flash_kernel/_C*.so)")
+    candidate_sanitizers
     ;;
 python)
     build_quietly

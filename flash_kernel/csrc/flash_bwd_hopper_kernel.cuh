@@ -170,10 +170,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // (dq_accum_chunk, dq_accum_layout.h). The threads' own adds (16-byte red.global.add from sdQ) would take issue
     // slots and LSU bandwidth from the softmax's warps. Thread 0 waits for the reduce's shared-memory reads before
     // the barrier that precedes the stage's next stores, two iterations later.
+    // The byte offset in sdQ of the stage that the iter-th query block's dQ_i takes.
+    auto sdq_stage = [](int iter) -> uint32_t { return (iter % Traits::kDqStages) * Traits::kSmemDqBytes; };
     auto reduce_dq = [&](int m_block) {
         if (tid == 0) {
             const int row0 = m_block * kBlockM;
-            const uint32_t dq_stage = ((m_block - m_block_min) % Traits::kDqStages) * Traits::kSmemDqBytes;
+            const uint32_t dq_stage = sdq_stage(m_block - m_block_min);
             bulk_reduce_add_f32(dq_accum + static_cast<int64_t>(row0) * kDqRow, sdQ_addr + dq_stage,
                                 min(kBlockM, seqlen_q - row0) * kDqRow * static_cast<int>(sizeof(float)));
             bulk_commit_group();
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const float* sLse_st = sLse + stage * kBlockM;
         const float* sDelta_st = sDelta + stage * kBlockM;
         const int query0 = m_block * kBlockM;
-        const uint32_t dq_off = (iter % Traits::kDqStages) * Traits::kSmemDqBytes;  // dQ_i's sdQ stage
+        const uint32_t dq_off = sdq_stage(iter);
 
         // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
         if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
@@ -363,6 +365,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // stored. The last warpgroup's are Traits::kDqColsLast, fewer where FLASH_BWD_NARROW_DQ leaves out K's zero
         // columns (none under FLASH_BWD_DQ_SINGLE_WG, whose first warpgroup takes them all); each width has an array
         // of its own (one array for both makes ptxas serialize the wgmmas).
+        // After this warpgroup's dQ_i wgmmas (dq: its accumulators; none where it computes no dQ_i): kDqBeforeDk's
+        // line 17 as the next group, dK += dS^T Q_i, to run under the dQ_i stores, once dV and dQ_i complete;
+        // otherwise every wgmma of the iteration completes.
+        auto issue_dk_complete_dv = [&](auto&... dq) {
+            if constexpr (Traits::kDqBeforeDk) {
+                issue_dk();
+                wgmma_commit();
+                wgmma_wait<1>();
+                pin_registers(acc_dv);
+                (pin_registers(dq), ...);
+                pin_registers(p_frag);
+            } else {
+                wgmma_wait<0>();
+                pin_registers(acc_dv);
+                pin_registers(acc_dk);
+                (pin_registers(dq), ...);
+                pin_registers(p_frag);
+                pin_registers(ds_frag);
+            }
+        };
         auto dq_tile = [&](auto& dq) {
             constexpr int kCols = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(dq)>>);
             wgmma_fence();
@@ -372,22 +394,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                          desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
             }
             wgmma_commit();
-            if constexpr (Traits::kDqBeforeDk) {
-                // Line 17 as the third group: dV and dQ_i complete, dK += dS^T Q_i runs under the dQ_i stores below.
-                issue_dk();
-                wgmma_commit();
-                wgmma_wait<1>();
-                pin_registers(acc_dv);
-                pin_registers(dq);
-                pin_registers(p_frag);
-            } else {
-                wgmma_wait<0>();
-                pin_registers(acc_dv);
-                pin_registers(acc_dk);
-                pin_registers(dq);
-                pin_registers(p_frag);
-                pin_registers(ds_frag);
-            }
+            issue_dk_complete_dv(dq);
             // To this warpgroup's part of dQ_i's sdQ stage (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t
             // + {0, 1}); columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then
             // visible to the TMA unit (the async proxy), which the next iteration's reduce, or the one after the
@@ -411,22 +418,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 float dq[Traits::kDqCols / 2];
                 dq_tile(dq);
             } else {
-                // No dQ_i here: kDqBeforeDk's dK goes on the tensor cores right behind dV (the fence: ds_frag was
-                // written since the last wgmma), and dV completes as in dq_tile.
-                if constexpr (Traits::kDqBeforeDk) {
-                    wgmma_fence();
-                    issue_dk();
-                    wgmma_commit();
-                    wgmma_wait<1>();
-                    pin_registers(acc_dv);
-                    pin_registers(p_frag);
-                } else {
-                    wgmma_wait<0>();
-                    pin_registers(acc_dv);
-                    pin_registers(acc_dk);
-                    pin_registers(p_frag);
-                    pin_registers(ds_frag);
-                }
+                wgmma_fence();  // no dQ_i here: dK right behind dV (ds_frag was written since the last wgmma)
+                issue_dk_complete_dv();
             }
         } else if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
             float dq[Traits::kDqCols / 2];
