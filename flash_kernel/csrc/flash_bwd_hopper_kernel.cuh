@@ -363,28 +363,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         __syncthreads();
         // This warpgroup's dQ_i into dq, kCols columns: issued, completed (kDqBeforeDk: with dK behind it) and
         // stored. The last warpgroup's are Traits::kDqColsLast, fewer where FLASH_BWD_NARROW_DQ leaves out K's zero
-        // columns (none under FLASH_BWD_DQ_SINGLE_WG, whose first warpgroup takes them all); each width has an array
-        // of its own (one array for both makes ptxas serialize the wgmmas).
-        // After this warpgroup's dQ_i wgmmas (dq: its accumulators; none where it computes no dQ_i): kDqBeforeDk's
-        // line 17 as the next group, dK += dS^T Q_i, to run under the dQ_i stores, once dV and dQ_i complete;
-        // otherwise every wgmma of the iteration completes.
-        auto issue_dk_complete_dv = [&](auto&... dq) {
-            if constexpr (Traits::kDqBeforeDk) {
-                issue_dk();
-                wgmma_commit();
-                wgmma_wait<1>();
-                pin_registers(acc_dv);
-                (pin_registers(dq), ...);
-                pin_registers(p_frag);
-            } else {
-                wgmma_wait<0>();
-                pin_registers(acc_dv);
-                pin_registers(acc_dk);
-                (pin_registers(dq), ...);
-                pin_registers(p_frag);
-                pin_registers(ds_frag);
-            }
-        };
+        // columns; each width has an array of its own (one array for both makes ptxas serialize the wgmmas).
         auto dq_tile = [&](auto& dq) {
             constexpr int kCols = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(dq)>>);
             wgmma_fence();
@@ -394,7 +373,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                          desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
             }
             wgmma_commit();
-            issue_dk_complete_dv(dq);
+            if constexpr (Traits::kDqBeforeDk) {
+                // Line 17 as the third group: dV and dQ_i complete, dK += dS^T Q_i runs under the dQ_i stores below.
+                issue_dk();
+                wgmma_commit();
+                wgmma_wait<1>();
+                pin_registers(acc_dv);
+                pin_registers(dq);
+                pin_registers(p_frag);
+            } else {
+                wgmma_wait<0>();
+                pin_registers(acc_dv);
+                pin_registers(acc_dk);
+                pin_registers(dq);
+                pin_registers(p_frag);
+                pin_registers(ds_frag);
+            }
             // To this warpgroup's part of dQ_i's sdQ stage (rows dq_row0 + wg_row + {0, 8}, columns dq_col0 + 8i + 2t
             // + {0, 1}); columns past d_rounded (hd96 on the 128-wide tiles) are K's zero columns and stay out. Then
             // visible to the TMA unit (the async proxy), which the next iteration's reduce, or the one after the
@@ -413,15 +407,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 }
             }
         };
-        if constexpr (Traits::kDqSingleWg) {
-            if (wg == 0) {
-                float dq[Traits::kDqCols / 2];
-                dq_tile(dq);
-            } else {
-                wgmma_fence();  // no dQ_i here: dK right behind dV (ds_frag was written since the last wgmma)
-                issue_dk_complete_dv();
-            }
-        } else if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
+        if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
             float dq[Traits::kDqCols / 2];
             dq_tile(dq);
         } else {

@@ -27,13 +27,6 @@
 #ifndef FLASH_BWD_NARROW_DQ
 #define FLASH_BWD_NARROW_DQ 1
 #endif
-// FLASH_BWD_DQ_SINGLE_WG (candidate, off): where the warpgroups would split dQ_i by columns and the head dim is not
-// two whole 64-column blocks (hd65-96), the first warpgroup computes all kQKDim columns (one n96 wgmma per k16 step,
-// reading 1.5 of K's 64-column blocks) and the second none, so that its dK += dS^T Q_i follows its dV directly (FA3's
-// and FA4's dQ_single_wg at these head dims).
-#ifndef FLASH_BWD_DQ_SINGLE_WG
-#define FLASH_BWD_DQ_SINGLE_WG 0
-#endif
 
 namespace flash {
 
@@ -64,14 +57,10 @@ struct HopperBwdTraits {
     // dK += dS^T Q_i, so that the dQ_i stores into sdQ run while dK is on the tensor cores. Otherwise dV and dK
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
-    // FLASH_BWD_DQ_SINGLE_WG: dQ_i's kQKDim columns all on the first warpgroup.
-    static constexpr bool kDqSingleWg = FLASH_BWD_DQ_SINGLE_WG != 0 && !kDqSplitQueries && kQKDim < kHeadDim;
-    static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kDqSingleWg ? kQKDim : kHeadDim / kNWarpgroups;
-    // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N; none under kDqSingleWg).
+    static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
+    // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N).
     static constexpr int kDqColsLast =
-        kDqSingleWg                                      ? 0
-        : FLASH_BWD_NARROW_DQ != 0 && !kDqSplitQueries ? kQKDim - (kNWarpgroups - 1) * kDqCols
-                                                         : kDqCols;
+        FLASH_BWD_NARROW_DQ != 0 && !kDqSplitQueries ? kQKDim - (kNWarpgroups - 1) * kDqCols : kDqCols;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
@@ -95,9 +84,8 @@ struct HopperBwdTraits {
                       kSumDim > kHeadDim - kSwizzleBlockElems,
                   "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
-    static_assert(kDqCols % kSwizzleBlockElems == 0 || (kDqSingleWg && kDqCols % 16 == 0),
-                  "a warpgroup's dQ columns are whole 64-column blocks of K (one warpgroup's: whole n16 tiles)");
-    static_assert(kDqColsLast % 16 == 0 && (kDqColsLast > 0 || kDqSingleWg) && kDqColsLast <= kDqCols,
+    static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
+    static_assert(kDqColsLast % 16 == 0 && kDqColsLast > 0 && kDqColsLast <= kDqCols,
                   "the last warpgroup's dQ columns: whole n16 tiles of its 64-column block");
     static_assert(kQKDim % 32 == 0, "sdQ rows of whole 8-chunk groups (dq_accum_chunk's swizzle)");
     static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kSwizzleBlockElems,
