@@ -310,6 +310,15 @@ class GPT(nn.Module):
         self.ln_f = make_norm(cfg)
         self.lm_head = Linear(cfg.d_model, cfg.padded_vocab_size, bias=False, fp32_weight_grad=cfg.fp32_weight_grad)
         self.lm_head.weight = self.wte.weight  # tied: counted once in the FLOP formula too
+        if cfg.pos_emb == "rope":
+            # RoPE's cos and sin for every position of the context (seq_len, D/2) each, fp32, computed once where
+            # the model is made. Under torch.compile a rotation computed in forward is fused into every block's
+            # RoPE kernel and recomputed there, forward and backward (Llama-1B at 8k on an H200: two such kernels,
+            # 16 ms of a 263 ms step; bench/profile_step.py --pipeline --compile); tables are read instead.
+            # Not persistent: no checkpoint holds them, and every checkpoint loads.
+            cos, sin = rope_cos_sin(torch.arange(cfg.seq_len), cfg.head_dim, cfg.rope_base, torch.float32)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -357,7 +366,7 @@ class GPT(nn.Module):
             # and their gradients read and write fp32, and casts in between. GPT3-1.3B on an H100, 16k tokens:
             # 314.7 -> 289.1 ms per step at 2k, 382.1 -> 356.1 at 8k (bench/profile_step.py).
             x = x.to(dtype)
-        rope = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_base, dtype) if self.cfg.pos_emb == "rope" else None
+        rope = self.rope_rotation(pos, start, dtype) if self.cfg.pos_emb == "rope" else None
         pending = None  # with fused_add_norm: the last block's MLP output, not yet added to x (Block.forward)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:
@@ -370,6 +379,12 @@ class GPT(nn.Module):
             cache.length += T
         h = self.ln_f(x) if pending is None else self.ln_f.add_and_norm(x, pending)[1]
         return self.lm_head(h)  # (B, T, V)
+
+    def rope_rotation(self, pos: torch.Tensor, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin in `dtype` for positions start.. ((T,): rows of the tables) or for document positions
+        ((B, T): gathered), each (T, D/2) or (B, T, D/2); cast once here for every block."""
+        rows = pos if pos.dim() == 2 else slice(start, start + pos.shape[0])
+        return self.rope_cos[rows].to(dtype), self.rope_sin[rows].to(dtype)
 
     def num_params(self, exclude_position_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weight counted once by parameters()
