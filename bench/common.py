@@ -105,6 +105,23 @@ def join_torchrun_group() -> int:
     return local
 
 
+def inductor_settings(items: list[str]) -> dict:
+    """--inductor's key=value items -> {key: value}: torch._inductor.config's settings (e.g.
+    max_pointwise_cat_inputs=1), each key checked against the config and each value against the setting's type."""
+    import torch._inductor.config as inductor_config
+
+    settings = parse_sets(items, "--inductor", "a torch._inductor.config setting (e.g. max_pointwise_cat_inputs=1)")
+    for key, value in settings.items():
+        if not hasattr(inductor_config, key):
+            raise SystemExit(f"--inductor {key}=...: torch._inductor.config has no setting {key!r}")
+        now = getattr(inductor_config, key)
+        if isinstance(now, float) and isinstance(value, int) and not isinstance(value, bool):
+            settings[key] = value = float(value)
+        if now is not None and type(value) is not type(now):
+            raise SystemExit(f"--inductor {key}={value!r}: the setting is a {type(now).__name__} (now {now!r})")
+    return settings
+
+
 def parse_sets(items: list[str], option: str = "--set",
                what: str = "a GPTConfig field (e.g. fp32_residual=true)") -> dict:
     """An option's key=value items (--set's: GPTConfig fields) -> {key: value}, each value read as Hydra reads an

@@ -9,6 +9,8 @@ memset running), where the GPU waits for the host.
     python bench/profile_step.py --model gpt3-1.3b --seq-len 2048 --attention flash
     python bench/profile_step.py --seq-len 8192 --compile --set fp32_residual=true
     python bench/profile_step.py --seq-len 8192 --micro-batches 8   # 8 accumulated micro-batches per optimizer step
+    python bench/profile_step.py --model llama-1b --seq-len 8192 --loss fused --compile \\
+        --inductor max_pointwise_cat_inputs=1 max_complex_pointwise_cat_inputs=1   # torch._inductor.config settings
 
 Under torchrun (WORLD_SIZE > 1) the step runs in DDP with conf/trainer/strategy/data_parallel.yaml's settings
 (--reduce-dtype and --sm-carveout are its keys of the same names; --hook torch runs torch's own all-reduce
@@ -62,7 +64,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import join_torchrun_group, merge_file, parse_sets  # noqa: E402
+from bench.common import inductor_settings, join_torchrun_group, merge_file, parse_sets  # noqa: E402
 from bench.e2e import TOKENS_PER_STEP  # noqa: E402
 from bench.strategies import STRATEGY_FILES, wrap_for  # noqa: E402
 from bench.trace import GcPauses, activities, rank_summary  # noqa: E402
@@ -127,8 +129,9 @@ def table(row: dict, top: int) -> str:
     launch = f"train.py {row['overrides']}" if row.get("overrides") else "train.py"
     what = f"pipeline ({launch}): " if row.get("mode") == "pipeline" else ""
     loss = f" loss={row['loss']}" if row.get("loss", "torch") != "torch" else ""
+    inductor = f" inductor: {row['inductor']}" if row.get("inductor") else ""
     lines = [f"{what}{row['model']} {row['batch']}×{row['seq_len']}{micro} attention={row['attention']}{loss} "
-             f"compile={row['compile']} {row['set'] or ''}{carveout} on {where}: wall {wall:.1f} ms per step",
+             f"compile={row['compile']} {row['set'] or ''}{carveout}{inductor} on {where}: wall {wall:.1f} ms per step",
              "", "| kernels | ms per step | share of kernel time |", "|---|---|---|"]
     total = row["categories"]["all kernels"]
     for cat, ms in row["categories"].items():
@@ -161,7 +164,7 @@ def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["batch"], r["attention"], r["compile"], r["set"], r.get("kernel"),
             r.get("world_size", 1), r.get("reduce_dtype"), r.get("sm_carveout", 0), r.get("nccl_protocol"), r.get("hook"),
             r.get("strategy", "ddp"), r.get("accumulation", 1), r.get("sharding_strategy"), r.get("mode", "bare"),
-            r.get("loss", "torch"), r.get("host", False), r.get("overrides", ""))
+            r.get("loss", "torch"), r.get("host", False), r.get("overrides", ""), r.get("inductor", ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="NCCL_PROTO (default: NCCL's choice per message size)")
     ap.add_argument("--loss", choices=["torch", "fused"], default="torch",
                     help="the loss both steps run (model/loss.py; conf/train.yaml's default is fused)")
+    ap.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="torch._inductor.config settings for the bare step's compiled code (the whole model with "
+                         "--compile, model/fusion.py's kernels without), e.g. max_pointwise_cat_inputs=1")
     ap.add_argument("--pipeline", action="store_true",
                     help="profile `python train.py` with the same case (bench/pipeline_profiler.py) instead of the "
                          "bare step; on several GPUs with --gpus N, Lightning starting the ranks")
@@ -215,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--pipeline starts its own ranks: run it with python and --gpus N, not under torchrun")
     if args.overrides and not args.pipeline:
         raise SystemExit("--overrides are train.py's: they need --pipeline")
+    if args.inductor and args.pipeline:
+        raise SystemExit("--inductor sets this process's torch._inductor.config: the bare step's, not train.py's")
+    for key, value in inductor_settings(args.inductor).items():
+        setattr(torch._inductor.config, key, value)
     if not args.pipeline and args.gpus != 1:
         raise SystemExit("--gpus is --pipeline's: the bare step runs on torchrun's ranks (--nproc_per_node)")
 
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             "nccl_protocol": os.environ.get("NCCL_PROTO")} if world > 1 else {}),
         **({"mode": "pipeline"} if args.pipeline else {}), **({"loss": args.loss} if args.loss != "torch" else {}),
         **({"host": True} if args.host else {}), **({"overrides": " ".join(args.overrides)} if args.overrides else {}),
+        **({"inductor": " ".join(sorted(args.inductor))} if args.inductor else {}),
         **summary,
     }
     merge_file(args.out, [row], _key)

@@ -115,6 +115,32 @@ def test_set_values_parse_and_errors_name_the_flag():
         profile_step.parse_sets(["fp32_residual"])
 
 
+def test_inductor_settings_are_checked_against_torch_inductor_config():
+    assert profile_step.inductor_settings(["max_pointwise_cat_inputs=1", "force_pointwise_cat=true"]) == {
+        "max_pointwise_cat_inputs": 1, "force_pointwise_cat": True}
+    with pytest.raises(SystemExit, match="has no setting 'max_cat_inputs'"):
+        profile_step.inductor_settings(["max_cat_inputs=1"])
+    with pytest.raises(SystemExit, match="max_pointwise_cat_inputs='many': the setting is a int"):
+        profile_step.inductor_settings(["max_pointwise_cat_inputs=many"])
+    with pytest.raises(SystemExit, match="force_pointwise_cat=1: the setting is a bool"):
+        profile_step.inductor_settings(["force_pointwise_cat=1"])
+    with pytest.raises(SystemExit, match="expected key=value"):
+        profile_step.inductor_settings(["force_pointwise_cat"])
+
+
+def test_an_inductor_row_is_its_own_case_and_says_so(monkeypatch):
+    base = {"device": "GPU X", "model": "llama-1b", "seq_len": 8192, "batch": 2, "attention": "flash",
+            "compile": True, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
+            "kernels": {"nvjet_a": 6.0}}
+    patched = {**base, "inductor": "max_pointwise_cat_inputs=1"}
+    assert profile_step._key(base) != profile_step._key(patched)
+    assert "inductor: max_pointwise_cat_inputs=1 on GPU X" in profile_step.table(patched, top=1).splitlines()[0]
+    assert "inductor" not in profile_step.table(base, top=1).splitlines()[0]
+    monkeypatch.setattr(profile_step.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="--inductor sets this process's"):
+        profile_step.main(["--pipeline", "--inductor", "max_pointwise_cat_inputs=1"])
+
+
 def test_table_shows_shares_and_largest_kernels():
     row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash", "compile": False,
            "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0, "Memset": 2.0}),
