@@ -8,7 +8,8 @@ token embedding. Each option's default is GPT-3's:
   multi-query attention (Shazeer 2019). The fused projection produces H query heads then Hkv key and Hkv value
   heads, and the attention receives them unrepeated.
 - pos_emb: learned position embeddings, or rotary embeddings on q and k (RoPE, Su et al. 2021; the
-  rotate-half form of GPT-NeoX) with base rope_base.
+  rotate-half form of GPT-NeoX) with base rope_base, their cos and sin made once for the whole context
+  (GPT.rope_rotation reads them).
 - norm: LayerNorm, or RMSNorm (Zhang & Sennrich 2019). mlp: GELU, or SwiGLU (Shazeer 2020), whose gate and
   up projections are one matmul. bias: biases in every Linear and LayerNorm.
 
