@@ -128,10 +128,17 @@ def test_inductor_settings_are_checked_against_torch_inductor_config():
         profile_step.inductor_settings(["force_pointwise_cat"])
 
 
+def _row(kernels: dict | None = None, **fields) -> dict:
+    """A profile row as profile_step.main writes it: GPT3-1.3B, 2 x 8192, flash eager on "GPU X" unless `fields`
+    say otherwise; its categories summed from `kernels` (ms per step by name)."""
+    kernels = kernels or {"nvjet_a": 6.0}
+    return {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
+            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize(kernels),
+            "kernels": kernels, **fields}
+
+
 def test_an_inductor_row_is_its_own_case_and_says_so(monkeypatch):
-    base = {"device": "GPU X", "model": "llama-1b", "seq_len": 8192, "batch": 2, "attention": "flash",
-            "compile": True, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
-            "kernels": {"nvjet_a": 6.0}}
+    base = _row(model="llama-1b", compile=True)
     patched = {**base, "inductor": "max_pointwise_cat_inputs=1"}
     assert profile_step._key(base) != profile_step._key(patched)
     assert "inductor: max_pointwise_cat_inputs=1 on GPU X" in profile_step.table(patched, top=1).splitlines()[0]
@@ -142,18 +149,14 @@ def test_an_inductor_row_is_its_own_case_and_says_so(monkeypatch):
 
 
 def test_table_shows_shares_and_largest_kernels():
-    row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash", "compile": False,
-           "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0, "Memset": 2.0}),
-           "kernels": {"nvjet_a": 6.0, "Memset": 2.0}}
+    row = _row({"nvjet_a": 6.0, "Memset": 2.0}, seq_len=2048, batch=8)
     md = profile_step.table(row, top=1)
     assert "| matmul | 6.0 | 75.0% |" in md and "| all kernels | 8.0 | 100.0% |" in md
     assert "`nvjet_a`" in md and "`Memset`" not in md
 
 
 def test_table_names_the_strategy_and_the_all_reduce_of_a_multi_gpu_row():
-    base = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
-            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
-            "kernels": {"nvjet_a": 6.0}, "world_size": 2, "reduce_dtype": "fp32", "nccl_protocol": None}
+    base = _row(world_size=2, reduce_dtype="fp32", nccl_protocol=None)
     heading = {name: profile_step.table({**base, **fields}, top=1).splitlines()[0]
                for name, fields in (("ddp", {"hook": "average"}), ("copy", {"hook": "copy_engine"}),
                                     ("fsdp", {"strategy": "fsdp", "hook": "average"}),
@@ -193,17 +196,13 @@ def test_gpu_timeline_spans_first_to_last_event_and_counts_the_gaps():
     t = trace.gpu_timeline(events, steps=2)
     assert t["span_ms"] == pytest.approx(20e-3 / 2) and t["idle_ms"] == pytest.approx(5e-3 / 2)
     assert trace.gpu_timeline([], steps=1) == {"span_ms": 0.0, "idle_ms": 0.0}
-    row = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 2048, "batch": 8, "attention": "flash",
-           "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
-           "kernels": {"nvjet_a": 6.0}, "timeline": {"span_ms": 9.5, "idle_ms": 3.5}}
+    row = _row(seq_len=2048, batch=8, timeline={"span_ms": 9.5, "idle_ms": 3.5})
     assert "9.5 ms per step from the first kernel to the last, 3.5 ms of it with nothing running" in \
         profile_step.table(row, top=1)
 
 
 def test_an_accumulated_row_is_its_own_case_and_says_so(monkeypatch):
-    base = {"device": "GPU X", "model": "gpt3-1.3b", "seq_len": 8192, "batch": 2, "attention": "flash",
-            "compile": False, "set": "", "wall_ms_per_step": 10.0, "categories": trace.summarize({"nvjet_a": 6.0}),
-            "kernels": {"nvjet_a": 6.0}}
+    base = _row()
     accumulated = {**base, "accumulation": 8}
     assert profile_step._key(base) != profile_step._key(accumulated)
     assert "2×8192 × 8 micro-batches attention=flash" in profile_step.table(accumulated, top=1).splitlines()[0]
