@@ -119,7 +119,9 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self._nonfinite |= ~torch.isfinite(loss.detach())
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        # Not prog_bar: Lightning turns every progress-bar value into a Python number after every batch, a host sync
+        # that leaves the GPU idle while the host prepares the next step. The bar reads the loss when it refreshes.
+        self.log("train/loss", loss, on_step=True, on_epoch=False)
         return loss
 
     def on_validation_epoch_start(self) -> None:

@@ -6,7 +6,8 @@ Lightning's ThroughputMonitor synchronizes the GPU every step and knows no H200.
 
 The GPU is synchronized only at log points (every `trainer.log_every_n_steps` optimizer steps), so
 timing does not stall the CPU's run-ahead between them. Validation time is excluded from the rates.
-Values go to every logger from rank 0 under perf/*, and the headline ones to the progress bar.
+Values go to every logger from rank 0 under perf/*; the progress bar (recipe/progress.py) shows the headline ones,
+`bar_metrics`, as plain numbers: no device tensor that Lightning would read back after every batch.
 """
 
 from __future__ import annotations
@@ -97,16 +98,21 @@ class PerfMonitor(L.Callback):
         if self.cuda_device:
             metrics["perf/peak_mem_gib"] = torch.cuda.max_memory_allocated(self.cuda_device) / GIB
         self.last_metrics = metrics
-        self._emit(trainer, pl_module, metrics, step)
+        self._emit(trainer, metrics, step)
+
+    def bar_metrics(self) -> dict[str, float]:
+        """The progress bar's tokens/s and MFU at the last log point ({} before the first full window)."""
+        bar = {}
+        if "perf/tokens_per_s" in self.last_metrics:
+            bar["tok/s"] = self.last_metrics["perf/tokens_per_s"]
+        if "perf/mfu" in self.last_metrics:
+            bar["mfu"] = self.last_metrics["perf/mfu"]
+        return bar
 
     @rank_zero_only
-    def _emit(self, trainer: L.Trainer, pl_module: L.LightningModule, metrics: dict[str, float], step: int) -> None:
+    def _emit(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-        bar = {"tok/s": metrics["perf/tokens_per_s"]}
-        if "perf/mfu" in metrics:
-            bar["mfu"] = metrics["perf/mfu"]
-        pl_module.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:

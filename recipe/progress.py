@@ -4,6 +4,10 @@ Lightning's bar counts the batches of the current epoch; this recipe's train epo
 sized by max_steps, and a resumed run starts mid-way (or in a new epoch) where that count has no total:
 `Training: | 210/? ...`. This bar reads trainer.global_step instead, starts at the step the run resumed
 from, and estimates the time left from this run's own steps.
+
+Its numbers are read when it refreshes (every refresh_rate steps): the last step's loss, off the device, and
+PerfMonitor's tokens/s and MFU. Values logged with prog_bar=True would be read back by Lightning after every batch
+instead, a host sync per step.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+from model.perf import PerfMonitor
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -46,6 +52,13 @@ class StepProgressBar(TQDMProgressBar):
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """The last step's loss and PerfMonitor's tokens/s and MFU, read here: the one host sync per refresh."""
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version number: the run directory already says which run
+        loss = trainer.callback_metrics.get("train/loss")  # the device tensor LitGPT.training_step logged
+        if loss is not None:
+            metrics["train/loss"] = loss.item()
+        for callback in trainer.callbacks:
+            if isinstance(callback, PerfMonitor):
+                metrics.update(callback.bar_metrics())
         return metrics

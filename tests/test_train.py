@@ -295,6 +295,53 @@ def test_fsdp2_checkpoints_resume_and_hold_the_same_weights_on_cpu(data_cache, t
         torch.testing.assert_close(weights["full"][name], tensor, rtol=0, atol=0, msg=name)
 
 
+def _in_data_loader(frame) -> bool:
+    while frame is not None:
+        if "torch/utils/data/" in frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_steps_between_log_points_read_nothing_back_from_the_device(data_cache, tmp_path, monkeypatch):
+    """On a GPU, reading a device tensor on the host (.item(), float(), bool()) waits for every queued kernel, and
+    the GPU idles while the host prepares the next step. Training reads values back at log points and progress-bar
+    refreshes only (every 5 steps here); no other step reads anything. The CPU's AdamW reads its step counts (the
+    fused CUDA step does not) and the fused loss's CPU reference checks its targets (the Triton kernels do not), so
+    this run takes the fused AdamW and loss=torch. The data loader's tensors stay on the host (in its workers)."""
+    reads: list[tuple[int, str]] = []  # (optimizer step whose training_step ran last, what read)
+    step = [-1]
+    real_step = LitGPT.training_step
+
+    def training_step(self, batch, batch_idx):
+        step[0] = self.trainer.global_step
+        return real_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LitGPT, "training_step", training_step)
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def reading(self, *args, _real=real, _name=name, **kwargs):
+            if step[0] >= 0 and not _in_data_loader(sys._getframe(1)):
+                reads.append((step[0], _name))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, reading)
+    overrides = [o for o in _overrides(data_cache, tmp_path) if "progress_bar" not in o]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            *overrides, "logger=csv", "loss=torch", "+optim.optimizer.fused=true", "trainer.max_steps=20",
+            "trainer.log_every_n_steps=5", "callbacks.progress_bar.refresh_rate=5", "+trainer.limit_val_batches=0"])
+    train_mod.train(cfg)
+    assert max(s for s, _ in reads) == 19, "the last step read back (the bar's last refresh), and the test saw it"
+    # step s ends at global step s + 1: a log point and a refresh when that is a multiple of 5; the last step ends
+    # the run (the final checkpoint and metrics)
+    between = [(s, what) for s, what in reads if (s + 1) % 5 and s != 19]
+    assert between == [], f"steps between log points read the device: {between[:5]}"
+    (metrics_csv,) = (tmp_path / "csv").rglob("metrics.csv")
+    assert "train/loss" in metrics_csv.read_text().splitlines()[0], "the loss still reaches the logger"
+
+
 def test_progress_bar_of_a_resumed_run_has_a_total_and_counts_from_its_step():
     from types import SimpleNamespace
 
