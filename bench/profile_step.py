@@ -10,7 +10,7 @@ memset running), where the GPU waits for the host.
     python bench/profile_step.py --seq-len 8192 --compile --set fp32_residual=true
     python bench/profile_step.py --seq-len 8192 --micro-batches 8   # 8 accumulated micro-batches per optimizer step
     python bench/profile_step.py --model llama-1b --seq-len 8192 --loss fused --compile \\
-        --inductor max_pointwise_cat_inputs=1 max_complex_pointwise_cat_inputs=1   # torch._inductor.config settings
+        --inductor max_pointwise_cat_inputs=1    # torch._inductor.config settings
 
 Under torchrun (WORLD_SIZE > 1) the step runs in DDP with conf/trainer/strategy/data_parallel.yaml's settings
 (--reduce-dtype and --sm-carveout are its keys of the same names; --hook torch runs torch's own all-reduce
