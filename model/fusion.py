@@ -13,7 +13,7 @@ MLP's bias with the GELU after it (model.fused_bias_gelu), are separate passes i
 stream that the norm reads back, and the bias rides in the fc matmul's epilogue but its gradient is a reduction of
 its own that reads the GELU's gradient back. Compiled, the sum and its norm come out of one kernel, and the bias's
 gradient can be reduced in the pass that computes the GELU's. Both options are off in GPTConfig and
-conf/model/_base.yaml, and on in the GPT3-1.3B and 2.7B presets (conf/model/).
+conf/model/_base.yaml, and on in the GPT3-1.3B and 2.7B presets (conf/model/); the Llama preset turns on the first.
 
 torch.compile turns each chain into one kernel that reads the views where they lie and writes its output once (and
 one for the backward). The functions here are compiled on their own, as model/attention.py compiles flex_attention,
