@@ -53,11 +53,12 @@ class StepProgressBar(TQDMProgressBar):
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """The last step's loss and PerfMonitor's tokens/s and MFU, read here: the one host sync per refresh."""
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)  # the logger's version number: the run directory already says which run
+        metrics: dict[str, Any] = {}
         loss = trainer.callback_metrics.get("train/loss")  # the device tensor LitGPT.training_step logged
         if loss is not None:
             metrics["train/loss"] = loss.item()
+        metrics.update(super().get_metrics(trainer, pl_module))  # val/loss and val/ppl once validation has run
+        metrics.pop("v_num", None)  # the logger's version number: the run directory already says which run
         for callback in trainer.callbacks:
             if isinstance(callback, PerfMonitor):
                 metrics.update(callback.bar_metrics())

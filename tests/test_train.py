@@ -357,6 +357,25 @@ def test_progress_bar_of_a_resumed_run_has_a_total_and_counts_from_its_step():
         tqdm_bar.close()
 
 
+def test_progress_bar_shows_the_loss_validation_and_throughput_it_reads_at_a_refresh():
+    """The loss comes off the device at the refresh, validation's numbers from Lightning's bar metrics, tokens/s and
+    MFU from PerfMonitor's last log point; the logger's version number is left out."""
+    from types import SimpleNamespace
+
+    from model.perf import PerfMonitor
+    from recipe.progress import StepProgressBar
+
+    perf = PerfMonitor()
+    perf.last_metrics = {"perf/tokens_per_s": 65000.0, "perf/mfu": 0.64, "perf/step_time_s": 0.25}
+    trainer = SimpleNamespace(callback_metrics={"train/loss": torch.tensor(2.5)}, loggers=[], callbacks=[perf],
+                              progress_bar_metrics={"val/loss": 3.0, "val/ppl": 20.1, "v_num": 7})
+    metrics = StepProgressBar().get_metrics(trainer, None)
+    assert metrics == {"train/loss": 2.5, "val/loss": 3.0, "val/ppl": 20.1, "tok/s": 65000.0, "mfu": 0.64}
+    assert list(metrics)[0] == "train/loss"
+    assert StepProgressBar().get_metrics(SimpleNamespace(callback_metrics={}, loggers=[], callbacks=[PerfMonitor()],
+                                                         progress_bar_metrics={}), None) == {}
+
+
 def test_the_model_is_made_on_the_trainers_device_but_under_fsdp(data_cache, tmp_path):
     """train.init_device: every parameter and buffer of the module is made on the trainer's device (the meta device
     stands in for a GPU here: nothing lands on the CPU); on the CPU under FSDP, where Lightning's FSDP takes it, and
