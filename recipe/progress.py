@@ -43,7 +43,8 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step, bar = trainer.global_step, self.train_progress_bar
-        if self.is_enabled and (step % self.refresh_rate == 0 or step == bar.total):
+        # once per optimizer step: with gradient accumulation, several batches end at the same step
+        if self.is_enabled and step != bar.n and (step % self.refresh_rate == 0 or step == bar.total):
             bar.n = step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 

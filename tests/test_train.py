@@ -303,12 +303,14 @@ def _in_data_loader(frame) -> bool:
     return False
 
 
-def test_steps_between_log_points_read_nothing_back_from_the_device(data_cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_steps_between_log_points_read_nothing_back_from_the_device(data_cache, tmp_path, monkeypatch, accumulation):
     """On a GPU, reading a device tensor on the host (.item(), float(), bool()) waits for every queued kernel, and
     the GPU idles while the host prepares the next step. Training reads values back at log points and progress-bar
-    refreshes only (every 5 steps here); no other step reads anything. The CPU's AdamW reads its step counts (the
-    fused CUDA step does not) and the fused loss's CPU reference checks its targets (the Triton kernels do not), so
-    this run takes the fused AdamW and loss=torch. The data loader's tensors stay on the host (in its workers)."""
+    refreshes only (every 5 optimizer steps here, each of `accumulation` micro-batches); no other step reads
+    anything. The CPU's AdamW reads its step counts (the fused CUDA step does not) and the fused loss's CPU
+    reference checks its targets (the Triton kernels do not), so this run takes the fused AdamW and loss=torch.
+    The data loader's tensors stay on the host (in its workers)."""
     reads: list[tuple[int, str]] = []  # (optimizer step whose training_step ran last, what read)
     step = [-1]
     real_step = LitGPT.training_step
@@ -331,7 +333,8 @@ def test_steps_between_log_points_read_nothing_back_from_the_device(data_cache, 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
             *overrides, "logger=csv", "loss=torch", "+optim.optimizer.fused=true", "trainer.max_steps=20",
-            "trainer.log_every_n_steps=5", "callbacks.progress_bar.refresh_rate=5", "+trainer.limit_val_batches=0"])
+            "trainer.log_every_n_steps=5", "callbacks.progress_bar.refresh_rate=5", "+trainer.limit_val_batches=0",
+            f"global_batch_tokens={accumulation * 4 * 64}"])  # micro-batches of data.batch_size 4 x seq_len 64
     train_mod.train(cfg)
     assert max(s for s, _ in reads) == 19, "the last step read back (the bar's last refresh), and the test saw it"
     # step s ends at global step s + 1: a log point and a refresh when that is a multiple of 5; the last step ends
