@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from model.flops import peak_flops
 
 GIB = 2**30
+BAR_NAMES = {"perf/tokens_per_s": "tok/s", "perf/mfu": "mfu"}  # the logged names the progress bar shows, its names
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -102,12 +103,7 @@ class PerfMonitor(L.Callback):
 
     def bar_metrics(self) -> dict[str, float]:
         """The progress bar's tokens/s and MFU at the last log point ({} before the first full window)."""
-        bar = {}
-        if "perf/tokens_per_s" in self.last_metrics:
-            bar["tok/s"] = self.last_metrics["perf/tokens_per_s"]
-        if "perf/mfu" in self.last_metrics:
-            bar["mfu"] = self.last_metrics["perf/mfu"]
-        return bar
+        return {bar: self.last_metrics[key] for key, bar in BAR_NAMES.items() if key in self.last_metrics}
 
     @rank_zero_only
     def _emit(self, trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
