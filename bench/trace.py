@@ -34,7 +34,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("cross-entropy", r"softmax|nll_loss|cross_entropy"),
     ("dtype casts and copies", r"copy|cast|_to_"),
     ("reductions", r"reduce|norm|sum"),
-    ("elementwise", r"elementwise|vectorized|add|mul|fill|where|triton_poi"),
+    ("elementwise", r"elementwise|vectorized|add|mul|fill|where|triton_poi|swiglu"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""RoPE, SwiGLU, the residual add with the norm after it, and bias-GELU, compiled into fused kernels when the model
-runs eagerly on a GPU.
+"""RoPE, the residual add with the norm after it, and bias-GELU, compiled into fused kernels when the model runs
+eagerly on a GPU; SwiGLU by Triton kernels of its own (model/swiglu_kernel.py) on a GPU.
 
 Eager PyTorch runs each as a chain of kernels over strided views of a fused projection's output. RoPE on q and k,
 views of the qkv matmul's output, takes the two halves of the head dim, four products, a difference, a sum and a
@@ -7,6 +7,12 @@ concatenation; SwiGLU multiplies SiLU of one half of the fc matmul's output by t
 concatenates the two halves' gradients. PyTorch's elementwise kernels vectorize only contiguous operands, so on the
 views they take their strided path. On Llama-1B at 2 × 8k, eager, these casts, copies and strided kernels take 53 ms
 of a 294 ms step (one H200, docs/results.md section 7), for flash and sdpa alike.
+
+SwiGLU takes Triton kernels of its own on a GPU (model/swiglu_kernel.py), in every mode: eager, and under a
+whole-model compile, which calls them as they are (a torch.library op), with or without a gradient to follow.
+torch.compile (2.11) lowers SwiGLU's backward, the concatenation of the two halves' gradients, as a pointwise cat
+that reads gate and the incoming gradient once per half; the kernel reads each input once (docs/results.md
+section 25).
 
 A residual add and the norm that reads its sum (model.fused_add_norm: the next block's ln_1, ln_2, ln_f), and the
 MLP's bias with the GELU after it (model.fused_bias_gelu), are separate passes in eager PyTorch: the add writes the
@@ -40,6 +46,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 COMPILED_DEVICES = ("cuda",)  # the device types whose tensors take the compiled kernels
+TRITON_DEVICES = ("cuda",)  # the device types whose tensors take model/swiglu_kernel.py's kernels
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,17 @@ def bias_gelu(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(h + bias.to(h.dtype), approximate="tanh")
 
 
+def apply_swiglu(h: torch.Tensor) -> torch.Tensor:
+    """swiglu(h) by model/swiglu_kernel.py's Triton kernels for a tensor on a GPU (eager or inside a whole-model
+    compile, with or without a gradient to follow), by the plain function elsewhere."""
+    if h.device.type in TRITON_DEVICES and not is_in_torch_dispatch_mode():
+        from model import swiglu_kernel  # Triton: imported only where it runs
+
+        return swiglu_kernel.swiglu(h)
+    return swiglu(h)
+
+
 apply_rope = fused(rope)
-apply_swiglu = fused(swiglu)
 apply_add_layer_norm = fused(add_layer_norm)
 apply_add_rms_norm = fused(add_rms_norm)
 apply_bias_gelu = fused(bias_gelu)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import model.fusion as fusion
+import model.gpt as gpt_mod
 from model.gpt import GPT, GPTConfig, ModelConfigError, rope_cos_sin
 from model.loss import next_token_loss
 
@@ -285,6 +286,7 @@ def test_gpt_trains_the_same_with_the_compiled_kernels(monkeypatch, name):
 
     loss, grads = step()
     monkeypatch.setattr(fusion, "compiled", lambda fn: fn)  # the plain functions, eager
+    monkeypatch.setattr(gpt_mod, "apply_swiglu", fusion.swiglu)  # and SwiGLU's, not its Triton kernels
     loss_plain, grads_plain = step()
     torch.testing.assert_close(loss, loss_plain, rtol=2e-3, atol=2e-3)
     for g, g_plain in zip(grads, grads_plain):
@@ -301,3 +303,60 @@ def test_sampling_on_the_gpu_compiles_nothing(monkeypatch):
         for T in range(1, 13):
             k, cos, sin = _rope_inputs(T=T, device="cuda", dtype=torch.bfloat16)
             torch.testing.assert_close(fusion.apply_rope(k, cos, sin), fusion.rope(k, cos, sin), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B, T, F", [(2, 1023, 48), (1, 37, 1100), (2, 513, 2048), (1, 1, 1), (3, 17, 8192)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_the_swiglu_kernels_within_twice_the_plain_functions_error(B, T, F, dtype, layout):
+    """model/swiglu_kernel.py against the fp32 plain function: output and dh each within twice the plain function's
+    error in `dtype` (the FA2 paper's rule), over widths that are and are not multiples of its column block, and
+    on an h whose rows are strided (a slice of a wider buffer, as a view of a fused projection would be)."""
+    g = torch.Generator().manual_seed(B * T + F)
+    wide = torch.randn(B, T, 2 * F + (16 if layout == "strided" else 0), generator=g).to("cuda", dtype)
+    h = wide[..., :2 * F]  # (B, T, 2F)
+    assert h.is_contiguous() == (layout == "contiguous")
+    dout = torch.randn(B, T, F, generator=g).to("cuda", dtype)
+
+    def value_and_grad(fn, x, d):
+        x = x.detach().requires_grad_()
+        out = fn(x)
+        return out, torch.autograd.grad(out, x, d)[0]
+
+    out, dh = value_and_grad(fusion.apply_swiglu, h, dout)
+    ref_out, ref_dh = value_and_grad(fusion.swiglu, h.float(), dout.float())
+    plain_out, plain_dh = value_and_grad(fusion.swiglu, h, dout)
+    assert out.dtype == dtype and dh.dtype == dtype and dh.shape == h.shape
+    for name, got, want, plain in (("out", out, ref_out, plain_out), ("dh", dh, ref_dh, plain_dh)):
+        err = (got.float() - want).abs().max().item()
+        err_plain = (plain.float() - want).abs().max().item()
+        assert err <= 2 * err_plain + 1e-6, f"{name}: max error {err:.2e}, plain {dtype}'s {err_plain:.2e}"
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_the_swiglu_kernels_run_inside_a_compiled_model():
+    """Under a whole-model torch.compile the op is traced as itself (torch.library.triton_op): the compiled code
+    launches the same Triton kernels, and the values and gradients are eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    h = torch.randn(4, 129, 2 * 320, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(4, 129, 320, device="cuda", dtype=torch.bfloat16)
+
+    def step(fn):
+        leaf = h.detach().requires_grad_()
+        out = fn(leaf)
+        out.backward(dout)
+        return out.detach(), leaf.grad
+
+    eager = step(lambda x: fusion.apply_swiglu(x) * 2)
+    compiled_fn = torch.compile(lambda x: fusion.apply_swiglu(x) * 2, fullgraph=True)
+    compiled, codes = run_and_get_code(step, compiled_fn)
+    assert any("swiglu_fwd_kernel" in c for c in codes) and any("swiglu_bwd_kernel" in c for c in codes)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    # the ops' registration: fake tensors (what compile traces with), autograd, and the schema
+    torch.library.opcheck(torch.ops.fa2_gpt.swiglu.default, (h.detach().requires_grad_(),))
+    torch.library.opcheck(torch.ops.fa2_gpt.swiglu_backward.default, (dout, h))
