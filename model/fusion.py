@@ -124,7 +124,7 @@ def bias_gelu(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 def apply_swiglu(h: torch.Tensor) -> torch.Tensor:
     """swiglu(h) by model/swiglu_kernel.py's Triton kernels for a tensor on a GPU (eager or inside a whole-model
     compile, with or without a gradient to follow), by the plain function elsewhere."""
-    if h.device.type in TRITON_DEVICES and not is_in_torch_dispatch_mode():
+    if h.device.type in TRITON_DEVICES:
         from model import swiglu_kernel  # Triton: imported only where it runs
 
         return swiglu_kernel.swiglu(h)
