@@ -9,6 +9,7 @@ output (3·N·F elements), the backward reads gate, up and the incoming gradient
 
     python bench/swiglu.py
     python bench/swiglu.py --tokens 8192 --ffn 5632 --rounds 5
+    python bench/swiglu.py --methods triton --triton-configs 2048x8 4096x8 512x4   # other launch shapes
 
 Rows merge into bench/results/swiglu.json (keyed by device, torch, method, N, F, dtype).
 """
@@ -45,6 +46,32 @@ METHODS = {
 }
 
 
+def triton_with(block_f: int, num_warps: int):
+    """model/swiglu_kernel.py's kernels launched with another column block and warp count (--triton-configs)."""
+    from model import swiglu_kernel
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        saved = swiglu_kernel.BLOCK_F, swiglu_kernel.NUM_WARPS
+        swiglu_kernel.BLOCK_F, swiglu_kernel.NUM_WARPS = block_f, num_warps
+        try:
+            return fusion.apply_swiglu(h)
+        finally:
+            swiglu_kernel.BLOCK_F, swiglu_kernel.NUM_WARPS = saved
+
+    return run
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    """'2048x8' -> (BLOCK_F 2048, 8 warps): a power of two of at least 16 columns, 1-32 warps."""
+    try:
+        block_f, num_warps = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--triton-configs {text!r}: BLOCKxWARPS, e.g. 2048x8") from None
+    if block_f < 16 or block_f & (block_f - 1) or not 1 <= num_warps <= 32:
+        raise SystemExit(f"--triton-configs {text!r}: the block a power of two >= 16, the warps 1-32")
+    return block_f, num_warps
+
+
 def min_bytes(n: int, ffn: int, element_size: int) -> tuple[int, int]:
     """The bytes the forward and the backward must move at least: 3·N·F and 5·N·F elements."""
     return 3 * n * ffn * element_size, 5 * n * ffn * element_size
@@ -52,7 +79,10 @@ def min_bytes(n: int, ffn: int, element_size: int) -> tuple[int, int]:
 
 def timers(method: str, n: int, ffn: int, dtype: torch.dtype):
     """(forward, forward + backward) callables of one method on fresh inputs, warmed up (compiled, autotuned)."""
-    fn = METHODS[method]
+    if method.startswith("triton "):  # "triton 2048x8"
+        fn = triton_with(*parse_config(method.split()[1]))
+    else:
+        fn = METHODS[method]
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, 2 * ffn, device="cuda", dtype=dtype, generator=g).requires_grad_()  # (N, 2F)
     dout = torch.randn(n, ffn, device="cuda", dtype=dtype, generator=g)  # (N, F)
@@ -112,16 +142,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each time is their median")
+    ap.add_argument("--triton-configs", nargs="*", default=[], metavar="BLOCKxWARPS",
+                    help="more rows of the Triton kernels with other column blocks and warps, e.g. 2048x8 4096x8 "
+                         "(method 'triton 2048x8'); the module's own is BLOCK_F x NUM_WARPS")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.ffn < 1 or args.rounds < 1:
         raise SystemExit(f"--tokens {args.tokens}, --ffn {args.ffn} and --rounds {args.rounds} must be at least 1")
+    methods = [*args.methods, *(f"triton {'x'.join(map(str, parse_config(c)))}" for c in args.triton_configs)]
     if not torch.cuda.is_available():
         raise SystemExit("bench/swiglu.py times CUDA kernels; no CUDA device here")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": date.today().isoformat(),
             "n": args.tokens, "ffn": args.ffn, "dtype": args.dtype}
-    new = [{**meta, **r} for r in measure(args.methods, args.tokens, args.ffn, dtype, args.rounds)]
+    new = [{**meta, **r} for r in measure(methods, args.tokens, args.ffn, dtype, args.rounds)]
     merge_file(args.out, new, _key,
                order=lambda r: (r["device"], r["torch"], r["n"], r["ffn"], r["dtype"], r["method"]))
     print(table(new))

@@ -25,3 +25,10 @@ def test_bad_arguments_are_refused_before_any_work():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device"):
             swiglu.main([])
+
+
+def test_launch_shapes_are_parsed_and_bad_ones_refused():
+    assert swiglu.parse_config("2048x8") == (2048, 8)
+    for bad in ("2048", "1000x4", "8x4", "1024x64", "axb"):
+        with pytest.raises(SystemExit, match="--triton-configs"):
+            swiglu.parse_config(bad)
