@@ -7,6 +7,10 @@ is their difference. Times are medians of triton.testing.do_bench over CUDA even
 --rounds rounds. Bandwidth counts what each pass must move at least: the forward reads gate and up and writes the
 output (3·N·F elements), the backward reads gate, up and the incoming gradient and writes dh (5·N·F).
 
+The backward's time is a difference of two event-timed calls, so it includes whatever the host's autograd call
+adds while the GPU waits: on one H200 it reads 0.49 ms for the Triton kernel, whose own time in a training step's
+profile is 0.33 ms per layer (docs/results.md section 26). For kernel times in a step, bench/profile_step.py.
+
     python bench/swiglu.py
     python bench/swiglu.py --tokens 8192 --ffn 5632 --rounds 5
     python bench/swiglu.py --methods triton --triton-configs 2048x8 4096x8 512x4   # other launch shapes

@@ -10,9 +10,9 @@ of a 294 ms step (one H200, docs/results.md section 7), for flash and sdpa alike
 
 SwiGLU takes Triton kernels of its own on a GPU (model/swiglu_kernel.py), in every mode: eager, and under a
 whole-model compile, which calls them as they are (a torch.library op), with or without a gradient to follow.
-torch.compile (2.11) lowers SwiGLU's backward, the concatenation of the two halves' gradients, as a pointwise cat
-that reads gate and the incoming gradient once per half; the kernel reads each input once (docs/results.md
-section 25).
+torch.compile (2.11) lowers SwiGLU's backward, the concatenation of the two halves' gradients, as a pointwise cat,
+each half from its own expression; the kernel computes both halves from one read of its inputs, in half the time
+(docs/results.md section 26).
 
 A residual add and the norm that reads its sum (model.fused_add_norm: the next block's ln_1, ln_2, ln_f), and the
 MLP's bias with the GELU after it (model.fused_bias_gelu), are separate passes in eager PyTorch: the add writes the

@@ -13,10 +13,11 @@ token embedding. Each option's default is GPT-3's:
 - norm: LayerNorm, or RMSNorm (Zhang & Sennrich 2019). mlp: GELU, or SwiGLU (Shazeer 2020), whose gate and
   up projections are one matmul. bias: biases in every Linear and LayerNorm.
 
-RoPE and SwiGLU come from model/fusion.py, which runs each as a compiled kernel when the model runs eagerly on a GPU;
-fused_add_norm and fused_bias_gelu take two more of its kernels: each residual add with the norm that reads the sum
-(ln_1 of the next block, ln_2, ln_f), and the GELU MLP's bias with its GELU. fp32_weight_grad has every Linear's
-weight gradient written in fp32 by its matmul (model/linear.py).
+RoPE and SwiGLU come from model/fusion.py: RoPE as a compiled kernel when the model runs eagerly on a GPU, SwiGLU by
+Triton kernels of its own on a GPU in every mode (model/swiglu_kernel.py); fused_add_norm and fused_bias_gelu take two
+more of its kernels: each residual add with the norm that reads the sum (ln_1 of the next block, ln_2, ln_f), and the
+GELU MLP's bias with its GELU. fp32_weight_grad has every Linear's weight gradient written in fp32 by its matmul
+(model/linear.py).
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.

@@ -9,8 +9,8 @@ each in float32 and rounded once to h's dtype, as model/fusion.py's compiled fun
 
 One program takes BLOCK_F columns of one row and writes both halves of dh from one read of gate, up and d_out:
 3 reads and 2 writes per column. torch.compile (2.11) lowers the backward's concatenation of the two halves as a
-pointwise cat instead, each output element computed from its own half's expression, which reads gate and d_out
-again for the second half (docs/results.md section 25).
+pointwise cat instead, each output element computed from its own half's expression. In a Llama-1B training step at
+2 × 8k on an H200 this backward takes 5.2 ms per step where the compiled one took 10.4 (docs/results.md section 26).
 """
 
 from __future__ import annotations
