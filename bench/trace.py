@@ -29,7 +29,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("attention", r"flash|fmha|sdpa|attn"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|\bmm\b|addmm"),
     ("AdamW", r"adam"),
-    ("LayerNorm", r"layer_norm|layernorm|gammabeta"),
+    ("norms", r"layer_norm|layernorm|gammabeta|rms_norm"),  # LayerNorm and RMSNorm (eager runs both as layer_norm)
     ("GELU", r"gelu"),
     ("cross-entropy", r"softmax|nll_loss|cross_entropy"),
     ("dtype casts and copies", r"copy|cast|_to_"),
