@@ -3,13 +3,11 @@ compiled it before, and a whole-model compile generates the same), and model/swi
 
 Shapes of the Llama preset at 2 × 8k tokens: h (N, 2F) = (16384, 2 × 8192), bf16. Each method runs the forward
 (no_grad) and the forward with the gradient of h (torch.autograd.grad, the incoming gradient fixed); the backward
-is their difference. Times are medians of triton.testing.do_bench over CUDA events, the methods interleaved over
---rounds rounds. Bandwidth counts what each pass must move at least: the forward reads gate and up and writes the
+is their difference. Each call is captured once in a CUDA graph and timed by replaying it
+(triton.testing.do_bench_cudagraph), so the times are the GPU's alone: the host's Python and autograd calls, which
+an event-timed call of a 0.3 ms kernel would include, are not in them. Medians of the replays, the methods interleaved
+over --rounds rounds. Bandwidth counts what each pass must move at least: the forward reads gate and up and writes the
 output (3·N·F elements), the backward reads gate, up and the incoming gradient and writes dh (5·N·F).
-
-The backward's time is a difference of two event-timed calls, so it includes whatever the host's autograd call
-adds while the GPU waits: on one H200 it reads 0.49 ms for the Triton kernel, whose own time in a training step's
-profile is 0.33 ms per layer (docs/results.md section 26). For kernel times in a step, bench/profile_step.py.
 
     python bench/swiglu.py
     python bench/swiglu.py --tokens 8192 --ffn 5632 --rounds 5
@@ -104,15 +102,15 @@ def timers(method: str, n: int, ffn: int, dtype: torch.dtype):
 
 
 def measure(methods: list[str], n: int, ffn: int, dtype: torch.dtype, rounds: int) -> list[dict]:
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
 
     runs = {m: timers(m, n, ffn, dtype) for m in methods}
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
     for _ in range(rounds):
         for m in methods:
             fwd, fwd_bwd = runs[m]
-            times[m].append((float(do_bench(fwd, return_mode="median")),
-                             float(do_bench(fwd_bwd, return_mode="median"))))
+            times[m].append((float(do_bench_cudagraph(fwd, return_mode="median")),
+                             float(do_bench_cudagraph(fwd_bwd, return_mode="median"))))
     fwd_bytes, bwd_bytes = min_bytes(n, ffn, torch.empty((), dtype=dtype).element_size())
     rows = []
     for m in methods:
