@@ -66,6 +66,13 @@ def _arch_flags(archs: str) -> list[str]:
     return flags + ([SM90A_DEFINE] if "90a" in names else [])
 
 
+def _cublaslt_flags(cuda_home: str | None) -> list[str]:
+    """The linker flag for cuBLASLt (csrc/gelu_gemm.cu calls it) where the toolkit has the library; without it the
+    extension's cuBLASLt symbols resolve, when it loads, to the libcublasLt that `import torch` has loaded."""
+    found = cuda_home and any(os.path.exists(os.path.join(cuda_home, d, "libcublasLt.so")) for d in ("lib64", "lib"))
+    return ["-lcublasLt"] if found else []
+
+
 def install(built: str, target: str) -> None:
     """Put the built extension at `target` as a new file renamed into place. A process that imported the old one
     (a training run while `make test` rebuilds) keeps running it: copying over it in place would rewrite the pages
@@ -102,6 +109,7 @@ def build(verbose: bool = False, out: str | None = None) -> str:
         sources=sources,
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=nvcc_flags,
+        extra_ldflags=_cublaslt_flags(cpp_extension.CUDA_HOME),
         extra_include_paths=[CSRC_DIR],
         build_directory=build_dir,
         verbose=verbose,

@@ -23,7 +23,7 @@ PREFIX = "model."  # LitGPT.model
 
 # The fields that only change how the same weights run; every other field changes the weights or the function.
 RUNTIME_FIELDS = ("attention", "dropout", "activation_checkpointing", "fp32_residual", "fused_add_norm",
-                  "fused_bias_gelu", "fp32_weight_grad")
+                  "fused_bias_gelu", "fp32_weight_grad", "gelu_epilogue")
 # The config key that sets a GPTConfig field when it is not model.<field> (train.py fills these in).
 CONFIG_KEY = {"vocab_size": "data.vocab_size", "seq_len": "seq_len"}
 

@@ -17,7 +17,8 @@ RoPE and SwiGLU come from model/fusion.py: RoPE as a compiled kernel when the mo
 Triton kernels of its own on a GPU in every mode (model/swiglu_kernel.py); fused_add_norm and fused_bias_gelu take two
 more of its kernels: each residual add with the norm that reads the sum (ln_1 of the next block, ln_2, ln_f), and the
 GELU MLP's bias with its GELU. fp32_weight_grad has every Linear's weight gradient written in fp32 by its matmul
-(model/linear.py).
+(model/linear.py). gelu_epilogue, on a GPU, puts the GELU MLP's fc bias and GELU in fc's matmul and GELU's gradient
+in proj's input-gradient matmul (model/gelu_mlp.py), ahead of fused_bias_gelu where both are set.
 
 The attention core is pluggable (model/attention.py) and receives q, k, v as (B, T, H, D) views of the fused
 projection, in the layout model/attention.py defines. A KVCache makes the forward incremental for generation.
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from model.attention import (AttentionMask, attention_mask, check_attention_supported, check_window,
                              document_positions, get_attention, get_qkvpacked_attention)
 from model.fusion import apply_add_layer_norm, apply_add_rms_norm, apply_bias_gelu, apply_rope, apply_swiglu
+from model import gelu_mlp
 from model.linear import Linear, linear
 
 # Embedding and logits matmuls run faster when the vocabulary is a multiple of 64 (nanoGPT: 50257 -> 50304).
@@ -85,6 +87,7 @@ class GPTConfig:
     fused_add_norm: bool = False  # each residual add with the norm after it in one kernel (model/fusion.py)
     fused_bias_gelu: bool = False  # the MLP's fc bias and GELU in one kernel (model/fusion.py); GELU MLPs with biases
     fp32_weight_grad: bool = False  # weight gradients written in fp32 by the matmul, no cast kernel (model/linear.py)
+    gelu_epilogue: bool = False  # on a GPU the GELU MLP's fc bias + GELU and GELU's gradient in the matmuls (model/gelu_mlp.py)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -107,6 +110,11 @@ class GPTConfig:
                 f"model.fused_bias_gelu=true fuses the fc bias of a GELU MLP, but model.mlp={self.mlp} and "
                 f"model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true (or add "
                 f"model.fused_bias_gelu=false: the gpt3-1.3b and gpt3-2.7b presets turn it on)"
+            )
+        if self.gelu_epilogue and (self.mlp != "gelu" or not self.bias):
+            raise ModelConfigError(
+                f"model.gelu_epilogue=true puts a GELU MLP's fc bias and GELU in fc's matmul, but "
+                f"model.mlp={self.mlp} and model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true"
             )
         try:
             check_window(self.window)
@@ -259,6 +267,7 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
         self.fused_bias_gelu = cfg.fused_bias_gelu
+        self.gelu_epilogue = cfg.gelu_epilogue and gelu_mlp.available()  # else the options below, on any device
         # SwiGLU's gate and up projections are one matmul: fc's output is [gate | up]
         self.fc = Linear(cfg.d_model, (2 if self.swiglu else 1) * cfg.ffn_dim, bias=cfg.bias,
                          fp32_weight_grad=cfg.fp32_weight_grad)
@@ -267,6 +276,9 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_epilogue and gelu_mlp.runs_here(x, self.fc.weight):  # (B, T, C) -> (B, T, C), one function
+            fc, proj = self.fc, self.proj
+            return self.dropout(gelu_mlp.gelu_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, fc.fp32_weight_grad))
         if self.fused_bias_gelu:  # the bias added in the GELU's kernel, not the matmul's epilogue
             h = apply_bias_gelu(linear(x, self.fc.weight, None, self.fc.fp32_weight_grad), self.fc.bias)  # (B, T, d_ff)
         else:

@@ -67,3 +67,12 @@ def test_out_builds_a_second_extension_and_leaves_the_packages_alone(tmp_path, m
     assert target.read_bytes() == b"candidate"
     assert (os.path.exists(package_so) and os.stat(package_so).st_mtime_ns) == before
     assert f"FLASH_KERNEL_EXT={target}" in capsys.readouterr().out
+
+
+def test_cublaslt_is_linked_where_the_toolkit_has_it(tmp_path):
+    """csrc/gelu_gemm.cu calls cuBLASLt: -lcublasLt where CUDA_HOME has the library, and no flag (the symbols then
+    resolve to the libcublasLt that torch loaded) where it does not, or where there is no toolkit."""
+    assert build._cublaslt_flags(str(tmp_path)) == [] and build._cublaslt_flags(None) == []
+    (tmp_path / "lib64").mkdir()
+    (tmp_path / "lib64" / "libcublasLt.so").write_bytes(b"")
+    assert build._cublaslt_flags(str(tmp_path)) == ["-lcublasLt"]

@@ -1,4 +1,5 @@
-// flash_kernel._C: the torch binding of the FlashAttention-2 kernels (the only file that includes torch).
+// flash_kernel._C: the torch binding of the FlashAttention-2 kernels (the only file of theirs that includes torch)
+// and of the GELU MLP's cuBLASLt matmuls (gelu_gemm.cu).
 //
 // fwd(q, k, v, o, lse, softmax_scale, causal, window_left=-1, window_right=-1)
 // bwd(do, q, k, v, o, lse, dq, dk, dv, softmax_scale, causal, deterministic, window_left=-1, window_right=-1)
@@ -13,6 +14,7 @@
 // than the kernel asks for (saying what to use instead), and launch on the current CUDA stream.
 // set_overrides(fwd_sm80, bwd_sm80, causal_group_heads, max_smem_per_block, bwd_causal_group_heads): the tests' and
 // benchmarks' switches (Overrides below); nothing else changes which kernel runs or how its work is ordered.
+// linear_gelu(x, weight, bias), linear_dgelu(dy, weight, pre): gelu_gemm.h; they allocate their outputs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
@@ -27,6 +29,7 @@
 
 #include "causal_order.h"
 #include "flash_launch.h"
+#include "gelu_gemm.h"
 #include "kernel_traits.h"
 
 namespace {
@@ -538,6 +541,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dk"), py::arg("dv"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"),
           py::arg("max_seqlen_k"), py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"),
           py::arg("window_left") = -1, py::arg("window_right") = -1);
+    m.def("linear_gelu", &linear_gelu,
+          "(gelu(x weight^T + bias), x weight^T + bias) by one cuBLASLt matmul with the GELU_AUX_BIAS epilogue",
+          py::arg("x"), py::arg("weight"), py::arg("bias"));
+    m.def("linear_dgelu", &linear_dgelu,
+          "((dy weight) * gelu'(pre), its sum over rows) by a cuBLASLt matmul with the DGELU epilogue and a sum",
+          py::arg("dy"), py::arg("weight"), py::arg("pre"));
     m.def("fwd_kernel_name", &fwd_kernel_name,
           "the forward kernel that runs for this head dim on this CUDA device: sm90a-wgmma or sm80-mma",
           py::arg("head_dim"), py::arg("device_index"));
