@@ -1,11 +1,13 @@
 """What the benchmark scripts share: file names per device, results merged by key, the rates a training run
-logged, figures only where matplotlib is installed, a step's wall time, and options' key=value items."""
+logged, figures only where matplotlib is installed, a step's wall time, forward / forward + backward timings by
+CUDA graph replay, and options' key=value items."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -25,6 +27,27 @@ def merge_rows(old: list[dict], new: list[dict], key: Callable[[dict], tuple],
     merged.update({key(r): r for r in new})
     rows = list(merged.values())
     return sorted(rows, key=order) if order else rows
+
+
+def fwd_bwd_times(runs: dict[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int) -> dict[str, dict]:
+    """{method: (forward, forward + backward)} callables -> {method: {"fwd_ms", "fwd_bwd_ms", "bwd_ms", "rounds"}}.
+
+    Each callable is captured once in a CUDA graph and timed by replaying it (triton.testing.do_bench_cudagraph), so
+    the times are the GPU's alone, without the host's Python and autograd calls; the methods are interleaved over
+    `rounds` rounds, and each time is the median of its rounds' medians. bwd_ms is the difference of the two."""
+    from triton.testing import do_bench_cudagraph
+
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (fwd, fwd_bwd) in runs.items():
+            times[name].append((float(do_bench_cudagraph(fwd, return_mode="median")),
+                                float(do_bench_cudagraph(fwd_bwd, return_mode="median"))))
+    out = {}
+    for name, rows in times.items():
+        fwd_ms = statistics.median(t[0] for t in rows)
+        fwd_bwd_ms = statistics.median(t[1] for t in rows)
+        out[name] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "bwd_ms": fwd_bwd_ms - fwd_ms, "rounds": rows}
+    return out
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -21,7 +21,6 @@ Rows merge into bench/results/gelu_mlp.json (keyed by device, torch, method, M, 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import merge_file  # noqa: E402
+from bench.common import fwd_bwd_times, merge_file  # noqa: E402
 from model import fusion, gelu_mlp  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gelu_mlp.json"
@@ -73,23 +72,14 @@ def timers(fn, m: int, c: int, d_ff: int):
 
 
 def measure(methods: list[str], m: int, c: int, d_ff: int, rounds: int) -> list[dict]:
-    from triton.testing import do_bench_cudagraph
-
-    runs = {name: timers(METHODS[name], m, c, d_ff) for name in methods}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
-    for _ in range(rounds):
-        for name in methods:
-            fwd, fwd_bwd = runs[name]
-            times[name].append((float(do_bench_cudagraph(fwd, return_mode="median")),
-                                float(do_bench_cudagraph(fwd_bwd, return_mode="median"))))
+    times = fwd_bwd_times({name: timers(METHODS[name], m, c, d_ff) for name in methods}, rounds)
     flops = 2 * 2 * m * c * d_ff  # the forward's two matmuls
     rows = []
     for name in methods:
-        fwd_ms = statistics.median(t[0] for t in times[name])
-        fwd_bwd_ms = statistics.median(t[1] for t in times[name])
-        rows.append({"method": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "bwd_ms": fwd_bwd_ms - fwd_ms,
-                     "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3 * flops / fwd_bwd_ms / 1e9,
-                     "rounds": times[name]})
+        t = times[name]
+        rows.append({"method": name, "fwd_ms": t["fwd_ms"], "fwd_bwd_ms": t["fwd_bwd_ms"], "bwd_ms": t["bwd_ms"],
+                     "fwd_tflops": flops / t["fwd_ms"] / 1e9, "fwd_bwd_tflops": 3 * flops / t["fwd_bwd_ms"] / 1e9,
+                     "rounds": t["rounds"]})
     return rows
 
 

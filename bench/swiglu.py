@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import merge_file  # noqa: E402
+from bench.common import fwd_bwd_times, merge_file  # noqa: E402
 from model import fusion  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "swiglu.json"
@@ -102,24 +101,14 @@ def timers(method: str, n: int, ffn: int, dtype: torch.dtype):
 
 
 def measure(methods: list[str], n: int, ffn: int, dtype: torch.dtype, rounds: int) -> list[dict]:
-    from triton.testing import do_bench_cudagraph
-
-    runs = {m: timers(m, n, ffn, dtype) for m in methods}
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
-    for _ in range(rounds):
-        for m in methods:
-            fwd, fwd_bwd = runs[m]
-            times[m].append((float(do_bench_cudagraph(fwd, return_mode="median")),
-                             float(do_bench_cudagraph(fwd_bwd, return_mode="median"))))
+    times = fwd_bwd_times({m: timers(m, n, ffn, dtype) for m in methods}, rounds)
     fwd_bytes, bwd_bytes = min_bytes(n, ffn, torch.empty((), dtype=dtype).element_size())
     rows = []
     for m in methods:
-        fwd_ms = statistics.median(t[0] for t in times[m])
-        fwd_bwd_ms = statistics.median(t[1] for t in times[m])
-        bwd_ms = fwd_bwd_ms - fwd_ms
-        rows.append({"method": m, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "bwd_ms": bwd_ms,
-                     "fwd_tb_s": fwd_bytes / fwd_ms / 1e9, "bwd_tb_s": bwd_bytes / bwd_ms / 1e9 if bwd_ms > 0 else None,
-                     "rounds": times[m]})
+        t = times[m]
+        rows.append({"method": m, "fwd_ms": t["fwd_ms"], "fwd_bwd_ms": t["fwd_bwd_ms"], "bwd_ms": t["bwd_ms"],
+                     "fwd_tb_s": fwd_bytes / t["fwd_ms"] / 1e9,
+                     "bwd_tb_s": bwd_bytes / t["bwd_ms"] / 1e9 if t["bwd_ms"] > 0 else None, "rounds": t["rounds"]})
     return rows
 
 

@@ -162,11 +162,6 @@ def _load_C() -> ModuleType:
     return C
 
 
-def extension() -> ModuleType:
-    """The loaded extension (flash_kernel._C, or the build FLASH_KERNEL_EXT names); RuntimeError saying why not."""
-    return _load_C()
-
-
 KERNEL_PATHS = ("auto", "sm80")  # a pass's kernels on a Hopper GPU: sm_90a wgmma where built, or mma.sync
 
 

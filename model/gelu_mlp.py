@@ -29,15 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from flash_kernel import interface
 from model.linear import LOW_PRECISION, mm_fp32
 
 ALIGN = 8  # cuBLASLt's epilogues: leading dimensions of the 16-bit matrices in multiples of 8 elements (16 bytes)
-
-
-def _extension():
-    from flash_kernel import interface
-
-    return interface.extension()
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -48,7 +43,7 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K), weight (N, K), bias (N,) -> (gelu(x weight^T + bias), x weight^T + bias), each (M, N)."""
     if x.is_cuda:
-        g, h = _extension().linear_gelu(x, weight, bias)
+        g, h = interface._load_C().linear_gelu(x, weight, bias)
         return g, h
     acc = _accumulator(x.dtype)
     h = torch.addmm(bias.to(acc), x.to(acc), weight.to(acc).t())  # (M, N)
@@ -65,7 +60,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.
 def linear_dgelu(dy: torch.Tensor, weight: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dy (M, C), weight (C, N), h (M, N) -> (dh = (dy weight) · gelu'(h) (M, N), dh summed over its rows (N,))."""
     if dy.is_cuda:
-        dh, db = _extension().linear_dgelu(dy, weight, h)
+        dh, db = interface._load_C().linear_dgelu(dy, weight, h)
         return dh, db
     acc = _accumulator(dy.dtype)
     dh = torch.ops.aten.gelu_backward(dy.to(acc) @ weight.to(acc), h.to(acc), approximate="tanh").to(dy.dtype)
@@ -131,11 +126,7 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
 
 def available() -> bool:
     """Whether this process can run the epilogue matmuls: a GPU, and an extension build that has them."""
-    if not torch.cuda.is_available():
-        return False
-    from flash_kernel import interface
-
-    return interface.unavailable_reason() is None and hasattr(interface.extension(), "linear_gelu")
+    return interface.unavailable_reason() is None and hasattr(interface._load_C(), "linear_gelu")
 
 
 def runs_here(x: torch.Tensor, w1: torch.Tensor) -> bool:

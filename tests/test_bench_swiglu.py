@@ -32,3 +32,24 @@ def test_launch_shapes_are_parsed_and_bad_ones_refused():
     for bad in ("2048", "1000x4", "8x4", "1024x64", "axb"):
         with pytest.raises(SystemExit, match="--triton-configs"):
             swiglu.parse_config(bad)
+
+
+def test_fwd_bwd_times_interleaves_the_methods_and_takes_medians(monkeypatch):
+    """bench.common.fwd_bwd_times (bench/swiglu.py's and bench/gelu_mlp.py's timing): each round times every
+    method's forward then forward + backward, and each time is the median over the rounds."""
+    import sys
+    import types
+
+    from bench.common import fwd_bwd_times
+
+    order, clock = [], iter([1.0, 3.0, 10.0, 30.0, 2.0, 5.0, 20.0, 50.0, 3.0, 4.0, 30.0, 40.0])
+    fake = types.ModuleType("triton.testing")
+    fake.do_bench_cudagraph = lambda fn, return_mode: (order.append(fn()), next(clock))[1]
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setitem(sys.modules, "triton.testing", fake)
+    runs = {m: (lambda m=m: f"{m} fwd", lambda m=m: f"{m} fwd_bwd") for m in ("a", "b")}
+    times = fwd_bwd_times(runs, rounds=3)
+    assert order == ["a fwd", "a fwd_bwd", "b fwd", "b fwd_bwd"] * 3
+    assert times["a"] == {"fwd_ms": 2.0, "fwd_bwd_ms": 4.0, "bwd_ms": 2.0,
+                          "rounds": [(1.0, 3.0), (2.0, 5.0), (3.0, 4.0)]}
+    assert times["b"]["fwd_ms"] == 20.0 and times["b"]["fwd_bwd_ms"] == 40.0 and times["b"]["bwd_ms"] == 20.0
