@@ -361,9 +361,9 @@ def _attention(r: dict) -> str:
     rows with the bf16 residual stream (model.fp32_residual=false) say so: 'flash v14, bf16 residual', and
     rows whose blocks passed the fused qkv whole (model/attention.py's qkv-packed form): '..., qkv packed'.
     Rows from before these carry no 'residual' / 'qkv' field: an fp32 residual stream, q, k, v views. Rows of
-    loss=fused (model/cross_entropy.py) end in ', fused loss', then the model/fusion.py options their config turned
-    on (', fused add + norm, fused bias-GELU'); rows with data.document_mask=true say so: 'flash vN, document mask,
-    ...'; rows run with --set name its model fields last: '..., fused_add_norm=true'."""
+    loss=fused (model/cross_entropy.py) end in ', fused loss', then the fusion options their config turned on
+    (', fused add + norm, fused bias-GELU, GELU epilogues'); rows with data.document_mask=true say so: 'flash vN,
+    document mask, ...'; rows run with --set name its model fields last: '..., fused_add_norm=true'."""
     return _label(r, details=True)
 
 
@@ -401,12 +401,14 @@ def residual_dtype(model: str, sets: tuple[str, ...] = ()) -> str:
     return "fp32" if _model_config(model, "sdpa", sets=sets).get("fp32_residual", False) else "bf16"
 
 
-FUSED_OPTIONS = {"fused_add_norm": "fused add + norm", "fused_bias_gelu": "fused bias-GELU"}  # field -> row label
+# GPTConfig field -> row label: model/fusion.py's kernels and model/gelu_mlp.py's epilogues
+FUSED_OPTIONS = {"fused_add_norm": "fused add + norm", "fused_bias_gelu": "fused bias-GELU",
+                 "gelu_epilogue": "GELU epilogues"}
 
 
 def fused_options(model: str, sets: tuple[str, ...] = ()) -> list[str]:
-    """The model/fusion.py options (GPTConfig fields) that a model's config, with --set's fields, turns on. Rows from
-    before the GPT3-1.3B and 2.7B presets turned them on carry no 'fused' field: they ran without."""
+    """The FUSED_OPTIONS (GPTConfig fields) that a model's config, with --set's fields, turns on. Rows from before
+    the GPT3-1.3B and 2.7B presets turned them on carry no 'fused' field: they ran without."""
     cfg = _model_config(model, "sdpa", sets=sets)
     return [name for name in FUSED_OPTIONS if cfg.get(name, False)]
 

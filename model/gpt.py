@@ -105,16 +105,15 @@ class GPTConfig:
                 f"model.pos_emb=rope rotates pairs of channels, so the head dim must be even, but "
                 f"d_model/n_head = {self.d_model}/{self.n_head} = {self.head_dim}; change model.n_head or model.d_model"
             )
-        if self.fused_bias_gelu and (self.mlp != "gelu" or not self.bias):
+        gelu_fusions = [name for name in ("fused_bias_gelu", "gelu_epilogue") if getattr(self, name)]
+        if gelu_fusions and (self.mlp != "gelu" or not self.bias):
+            one = len(gelu_fusions) == 1
             raise ModelConfigError(
-                f"model.fused_bias_gelu=true fuses the fc bias of a GELU MLP, but model.mlp={self.mlp} and "
-                f"model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true (or add "
-                f"model.fused_bias_gelu=false: the gpt3-1.3b and gpt3-2.7b presets turn it on)"
-            )
-        if self.gelu_epilogue and (self.mlp != "gelu" or not self.bias):
-            raise ModelConfigError(
-                f"model.gelu_epilogue=true puts a GELU MLP's fc bias and GELU in fc's matmul, but "
-                f"model.mlp={self.mlp} and model.bias={str(self.bias).lower()}; it needs mlp=gelu and bias=true"
+                f"{' and '.join(f'model.{name}=true' for name in gelu_fusions)} fuse{'s' if one else ''} the fc bias "
+                f"and GELU of a GELU MLP, but model.mlp={self.mlp} and model.bias={str(self.bias).lower()}; "
+                f"{'it' if one else 'each'} needs mlp=gelu and bias=true (or add "
+                f"{' '.join(f'model.{name}=false' for name in gelu_fusions)}: the gpt3-1.3b and gpt3-2.7b presets "
+                f"turn {'it' if one else 'them'} on)"
             )
         try:
             check_window(self.window)

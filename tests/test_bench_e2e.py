@@ -126,12 +126,15 @@ def test_rows_record_whether_the_blocks_pack_qkv():
 
 
 def test_rows_name_the_fused_options_their_config_turned_on():
-    """The GPT3-1.3B, 2.7B and Llama presets run model/fusion.py's options; their rows are a case of their own beside
-    the rows measured before, which ran without them and carry no 'fused' field."""
+    """The GPT3-1.3B, 2.7B and Llama presets run model/fusion.py's options, the GPT3 ones the GELU epilogues too;
+    their rows are a case of their own beside the rows measured before, which ran without them and carry no 'fused'
+    field."""
     both = ["fused_add_norm", "fused_bias_gelu"]
-    assert e2e.fused_options("gpt3-1.3b") == both and e2e.fused_options("gpt3-2.7b") == both
+    gpt3 = [*both, "gelu_epilogue"]
+    assert e2e.fused_options("gpt3-1.3b") == gpt3 and e2e.fused_options("gpt3-2.7b") == gpt3
     assert e2e.fused_options("gpt3-125m") == [] and e2e.fused_options("llama-1b") == ["fused_add_norm"]
-    assert e2e.fused_options("gpt3-1.3b", ("fused_bias_gelu=false",)) == ["fused_add_norm"]
+    assert e2e.fused_options("gpt3-1.3b", ("fused_bias_gelu=false", "gelu_epilogue=false")) == ["fused_add_norm"]
+    assert e2e._attention({**_row("pipeline", "flash", 210.0), "fused": gpt3}).endswith(", GELU epilogues")
     assert e2e.fused_options("gpt3-350m", ("fused_add_norm=true",)) == ["fused_add_norm"]
     before = {**_row("pipeline", "flash", 210.0), "kernel": "v35", "residual": "bf16", "qkv": "packed", "loss": "fused"}
     now = {**before, "fused": both}

@@ -195,13 +195,18 @@ def test_fused_bias_gelu_needs_a_gelu_mlp_with_biases(options):
         GPTConfig(fused_bias_gelu=True, **options)
 
 
-def test_a_preset_that_turns_fused_bias_gelu_on_names_the_way_out_with_a_swiglu_mlp():
+def test_a_preset_that_turns_the_gelu_fusions_on_names_the_way_out_with_a_swiglu_mlp():
+    """The GPT3 presets turn on fused_bias_gelu and gelu_epilogue: one error names both and the overrides that
+    switch them off."""
     from run_overrides import compose_train
 
     cfg = compose_train("model=gpt3-1.3b", "model.mlp=swiglu").model
-    with pytest.raises(ModelConfigError, match="add model.fused_bias_gelu=false: the gpt3-1.3b and gpt3-2.7b presets"):
+    with pytest.raises(ModelConfigError, match="model.fused_bias_gelu=true and model.gelu_epilogue=true fuse .* each "
+                       "needs mlp=gelu and bias=true .*add model.fused_bias_gelu=false model.gelu_epilogue=false: "
+                       "the gpt3-1.3b and gpt3-2.7b presets turn them on"):
         GPTConfig(**cfg, vocab_size=50257)
-    assert not GPTConfig(**{**cfg, "fused_bias_gelu": False}, vocab_size=50257).fused_bias_gelu
+    off = GPTConfig(**{**cfg, "fused_bias_gelu": False, "gelu_epilogue": False}, vocab_size=50257)
+    assert not off.fused_bias_gelu and not off.gelu_epilogue
 
 
 def test_only_calls_with_a_gradient_to_follow_take_the_compiled_kernels(compiles_on_cpu):
