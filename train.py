@@ -36,7 +36,7 @@ from recipe.checks import ConfigError, validate
 from recipe.launch import describe_launch, detect_launcher, output_dir, release_process_group
 from recipe.oom import TrainingOutOfMemory, explain_oom
 from recipe.preemption import Preempted, stopped
-from recipe.preflight import check_writable, describe_cpu_default
+from recipe.preflight import check_writable, describe_cpu_default, describe_gelu_epilogue
 from recipe.resolvers import register_resolvers
 from recipe.schema import check_types
 from recipe.wandb_run import build_logger, describe_logger, finish_logger
@@ -92,7 +92,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg, logger is not None), logger=logger or False)
     set_accumulation(cfg, trainer)
     for line in (describe_launch(trainer, launcher), describe_global_batch(cfg, trainer), describe_logger(logger),
-                 describe_cpu_default(cfg)):
+                 describe_cpu_default(cfg), describe_gelu_epilogue(cfg)):
         if line:
             rank_zero_info(line)  # the run's first lines
 

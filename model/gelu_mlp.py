@@ -124,9 +124,17 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
     return dtype if dtype in LOW_PRECISION else None
 
 
+def unavailable_reason() -> str | None:
+    """Why this process cannot run the epilogue matmuls (no GPU, no extension build, a build without them), or None."""
+    reason = interface.unavailable_reason()
+    if reason is None and not hasattr(interface._load_C(), "linear_gelu"):
+        reason = "the flash_kernel extension was built without flash_kernel/csrc/gelu_gemm.cu (`make build` rebuilds it)"
+    return reason
+
+
 def available() -> bool:
     """Whether this process can run the epilogue matmuls: a GPU, and an extension build that has them."""
-    return interface.unavailable_reason() is None and hasattr(interface._load_C(), "linear_gelu")
+    return unavailable_reason() is None
 
 
 def runs_here(x: torch.Tensor, w1: torch.Tensor) -> bool:

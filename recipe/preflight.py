@@ -1,6 +1,7 @@
 """Checks that run before the first step, so a run fails in seconds instead of at its first checkpoint:
-the run directory is writable (output_dir, and hydra.run.dir through a Hydra callback), and a plain
-`python train.py` on a machine without a GPU says what it is about to do.
+the run directory is writable (output_dir, and hydra.run.dir through a Hydra callback), a plain
+`python train.py` on a machine without a GPU says what it is about to do, and a GPU run whose config asks for the
+GELU epilogues where they cannot run says which MLP it runs instead.
 """
 
 from __future__ import annotations
@@ -81,3 +82,25 @@ def cpu_default_hint(cfg: DictConfig, cuda_available: bool, model_choice: str | 
         "more. For a run of a few minutes use `python train.py experiment=cpu_tiny` (what `make train` runs "
         "without a GPU)"
     )
+
+
+def describe_gelu_epilogue(cfg: DictConfig) -> str | None:
+    """gelu_epilogue_hint for this process: whether it has a GPU, and why the epilogues cannot run here if not."""
+    import torch
+
+    from model import gelu_mlp
+
+    if not cfg.model.get("gelu_epilogue") or not torch.cuda.is_available():
+        return None
+    return gelu_epilogue_hint(cfg, cuda_available=True, reason=gelu_mlp.unavailable_reason())
+
+
+def gelu_epilogue_hint(cfg: DictConfig, cuda_available: bool, reason: str | None) -> str | None:
+    """The line to print when a GPU run's config turns on model.gelu_epilogue (the GPT3-1.3B and 2.7B presets) but
+    the epilogue matmuls cannot run here, for `reason` (None otherwise). The model then runs the MLP the other way:
+    fused_bias_gelu's kernel where that is on, else unfused; on a CPU that is the expected path and says nothing."""
+    on_gpu = cuda_available and cfg.trainer.get("accelerator") != "cpu"
+    if not cfg.model.get("gelu_epilogue") or not on_gpu or reason is None:
+        return None
+    other = "fused_bias_gelu's compiled bias + GELU" if cfg.model.get("fused_bias_gelu") else "the unfused GELU"
+    return f"model.gelu_epilogue=true, but {reason}: the GELU MLPs run {other} instead (model/gelu_mlp.py)"

@@ -279,6 +279,26 @@ def test_a_gpu_sized_default_on_a_cpu_says_so_and_points_to_cpu_tiny():
     assert cpu_default_hint(default, cuda_available=True) is None and cpu_default_hint(tiny, cuda_available=False) is None
 
 
+def test_a_gpu_run_that_cannot_run_the_gelu_epilogues_says_which_mlp_it_runs():
+    """The GPT3-1.3B preset turns model.gelu_epilogue on; on a GPU whose extension lacks the epilogue matmuls the run
+    says why and names the MLP it falls back to. A CPU run, a run without the option, or one that can run them: none."""
+    from recipe.preflight import gelu_epilogue_hint
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        preset = compose(config_name="train", overrides=["model=gpt3-1.3b"])
+        unfused = compose(config_name="train", overrides=["model=gpt3-1.3b", "model.fused_bias_gelu=false"])
+        off = compose(config_name="train", overrides=["model=gpt3-1.3b", "model.gelu_epilogue=false"])
+        cpu = compose(config_name="train", overrides=["model=gpt3-1.3b", "trainer.accelerator=cpu"])
+    reason = "the flash_kernel extension is not built"
+    hint = gelu_epilogue_hint(preset, cuda_available=True, reason=reason)
+    assert hint.startswith("model.gelu_epilogue=true, but " + reason) and "fused_bias_gelu" in hint
+    assert "the unfused GELU" in gelu_epilogue_hint(unfused, cuda_available=True, reason=reason)
+    assert gelu_epilogue_hint(preset, cuda_available=True, reason=None) is None
+    assert gelu_epilogue_hint(preset, cuda_available=False, reason=reason) is None
+    assert gelu_epilogue_hint(cpu, cuda_available=True, reason=reason) is None
+    assert gelu_epilogue_hint(off, cuda_available=True, reason=reason) is None
+
+
 # ------------------------------------------------------------------------------------------ 2 GPUs, FSDP
 two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="FSDP checkpoints: needs 2 CUDA GPUs"

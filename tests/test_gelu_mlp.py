@@ -12,7 +12,7 @@ from model.gpt import GPT, GPTConfig, ModelConfigError
 from model.loss import next_token_loss
 
 needs_epilogues = pytest.mark.skipif(not gelu_mlp.available(),
-                                     reason="the cuBLASLt epilogues need a CUDA GPU and the built extension")
+                                     reason=f"the cuBLASLt epilogues cannot run here: {gelu_mlp.unavailable_reason()}")
 
 
 def _mlp_inputs(B=2, T=5, C=8, N=32, bias2=True, device="cpu", dtype=torch.float64, seed=0):
@@ -82,6 +82,17 @@ def test_where_the_epilogues_cannot_run_the_model_is_the_unfused_one(monkeypatch
     loss, grads = step(gelu_epilogue=True)
     loss_plain, grads_plain = step()
     assert torch.equal(loss, loss_plain) and all(torch.equal(a, b) for a, b in zip(grads, grads_plain))
+
+
+def test_unavailable_names_why_a_build_without_the_epilogues_cannot_run_them(monkeypatch):
+    """A GPU and an extension built before gelu_gemm.cu: the reason points at the rebuild; else the extension's own."""
+    from flash_kernel import interface
+
+    monkeypatch.setattr(interface, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(interface, "_load_C", lambda: object())  # an extension without linear_gelu
+    assert "gelu_gemm.cu" in gelu_mlp.unavailable_reason() and not gelu_mlp.available()
+    monkeypatch.setattr(interface, "unavailable_reason", lambda: "no CUDA device")
+    assert gelu_mlp.unavailable_reason() == "no CUDA device" and not gelu_mlp.available()
 
 
 def test_runs_here_only_for_16_bit_gpu_inputs_with_aligned_widths():
