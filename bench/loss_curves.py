@@ -118,14 +118,21 @@ def _key(r: dict) -> tuple:
     return (r["device"], r["model"], r["seq_len"], r["attention"], r["gpus"], r["strategy"], r.get("vs"), r["steps"])
 
 
+PANELS_PER_ROW = 3  # one panel per comparison, wrapped into rows
+
+
 def plot(entries: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 4.2), squeeze=False)
-    for ax, e in zip(axes[0], entries):
+    cols = min(PANELS_PER_ROW, len(entries))
+    rows = -(-len(entries) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(entries):]:  # the last row's empty cells
+        ax.set_visible(False)
+    for ax, e in zip(axes.flat, entries):
         for (name, c), style in zip(e["curves"].items(), ("-", "--")):
             label = labels(e)[name]
             steps, losses = zip(*c["train/loss"])
@@ -139,7 +146,7 @@ def plot(entries: list[dict], path: Path) -> None:
         ax.set_ylabel("loss")
         ax.legend(fontsize=7)
     fig.suptitle(f"Same global batch, same seed — {entries[0]['device']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # the top 2% for the suptitle
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
