@@ -128,7 +128,8 @@ def unavailable_reason() -> str | None:
     """Why this process cannot run the epilogue matmuls (no GPU, no extension build, a build without them), or None."""
     reason = interface.unavailable_reason()
     if reason is None and not hasattr(interface._load_C(), "linear_gelu"):
-        reason = "the flash_kernel extension was built without flash_kernel/csrc/gelu_gemm.cu (`make build` rebuilds it)"
+        reason = ("the flash_kernel extension was built without flash_kernel/csrc/gelu_gemm.cu "
+                  "(`make build` rebuilds it)")
     return reason
 
 
