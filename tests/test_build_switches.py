@@ -43,20 +43,24 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
 
 
 WGMMA = "wgmma.mma_async.sync.aligned."
-TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the PTX that marks them)
-    ("FLASH_FWD_NARROW_PV", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16"),
-    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16"),
-    ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n192k16"),
-    ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16"),
-    ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16"),
-    ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1"),  # a producer + 3 consumers
-    ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16"),
+TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the PTX that marks them,
+    #  other switches held: FLASH_FWD_NARROW_PV narrows the 128-wide tiles only, which FLASH_FWD_HD96_SW64 replaces)
+    ("FLASH_FWD_NARROW_PV", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16", ["FLASH_FWD_HD96_SW64=0"]),
+    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16", []),
+    ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n192k16", []),
+    ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", []),
+    ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", []),
+    ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", []),  # a producer + 3 consumers
+    ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", []),
+    # a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set
+    ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;"), []),
 ]
 
 
-@pytest.mark.parametrize("switch, source, default, mark", TILE_SWITCHES,
+@pytest.mark.parametrize("switch, source, default, mark, held", TILE_SWITCHES,
                          ids=[f"{switch}-{source.split('_')[1]}" for switch, source, *_ in TILE_SWITCHES])
-def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, device_ptx):
-    off, on = device_ptx(source, [f"{switch}=0"]), device_ptx(source, [f"{switch}=1"])
-    assert mark in on and mark not in off
-    assert device_ptx(source, []) == (on if default else off), f"{switch}'s default is not {default}"
+def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, held, device_ptx):
+    off, on = device_ptx(source, [f"{switch}=0", *held]), device_ptx(source, [f"{switch}=1", *held])
+    marked = (lambda ptx: mark.search(ptx) is not None) if isinstance(mark, re.Pattern) else (lambda ptx: mark in ptx)
+    assert marked(on) and not marked(off)
+    assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"

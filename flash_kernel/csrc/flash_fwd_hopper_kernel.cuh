@@ -9,7 +9,7 @@
 //     mma.sync), V is read from shared memory as an N-major B operand (the transpose is the descriptor's).
 //     Traits::kPSmem: P goes to the warpgroup's own tile in shared memory instead, which the wgmma reads as a
 //     K-major A operand, as it reads Q.
-//   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per 64-column block) into kNStages stages
+//   - Q_i, K_j and V_j arrive by TMA (hopper_tma.h: one instruction per column block) into kNStages stages
 //     each for K and V; each stage has a "full" mbarrier (its bytes landed) and an "empty" one (every consumer
 //     thread, or warp, is done reading it), so no block-wide barrier couples the warpgroups.
 //   - Warp specialization (FA3 paper, section 3.1): one producer warpgroup issues every load and claims the
@@ -72,9 +72,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kNTilesD = kVDim / kMmaN;      // n8 column tiles of O per warp
     constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of Q K^T (to d_rounded, not the tile width)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
-    constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q
-    constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
-    constexpr uint32_t kKStepBytesN = kMmaK * kSwizzleRowBytes;        // 16 keys of V
+    // Q, K and V in the SwizzleSpan of the traits (SW128: column blocks of 64, SW64: of 32; hopper_utils.cuh).
+    constexpr int kSpan = Traits::kSpanBytes;
+    using Span = SwizzleSpan<kSpan>;
+    constexpr uint32_t kQColBlockBytes = kBlockM * Span::kBytes;   // one column block of Q
+    constexpr uint32_t kKVColBlockBytes = kBlockN * Span::kBytes;  // one column block of K or V
+    constexpr uint32_t kKStepBytesN = kMmaK * Span::kBytes;        // 16 keys of V
     constexpr int kNConsumerThreads = Traits::kNConsumerThreads;
     constexpr int kNTileSlots = Traits::kNTileSlots;
 
@@ -106,7 +109,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int seqlen_k = params.seqlen_k;
     const int causal_offset = seqlen_k - seqlen_q;  // query i sees keys j <= i + causal_offset
 
-    // Thread 0 initialises the barriers; the producer warpgroup's first thread does every load (one TMA per 64-column
+    // Thread 0 initialises the barriers; the producer warpgroup's first thread does every load (one TMA per column
     // block, which arms the "full" barrier with its bytes) and claims the tiles.
     if (tid == 0) {
         prefetch_tensor_map(&maps.q);
@@ -139,8 +142,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                     int head_k, int batch, int key0) {
         const int stage = kv % kNStages;
         if (kv >= kNStages) mbarrier_wait(empty + 8 * stage, (kv / kNStages - 1) & 1);
-        tma_load_rows<kBlockN, kHeadDim>(stage_tiles + stage * Traits::kSmemKVTileBytes, map, key0 + n_block * kBlockN,
-                                         head_k, batch, full + 8 * stage);
+        tma_load_rows<kBlockN, kHeadDim, kSpan>(stage_tiles + stage * Traits::kSmemKVTileBytes, map,
+                                                key0 + n_block * kBlockN, head_k, batch, full + 8 * stage);
     };
     auto load_k = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
         load(&maps.k, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch, key0);
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 const int n_blocks = lt.n_max - lt.n_min;
                 load_k(kv, lt.n_min, head_k, batch, lt.k0);
                 if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
-                tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, lt.q0 + lt.row0, lt.head, batch, full_q);
+                tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ, &maps.q, lt.q0 + lt.row0, lt.head, batch, full_q);
                 for (int j = 0; j < n_blocks; ++j) {
                     if (j > 0) load_k(kv + j, lt.n_min + j, head_k, batch, lt.k0);
                     load_v(kv + j, lt.n_min + j, head_k, batch, lt.k0);
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             const int n_block_max = key_blocks(row0), head_k = tiles.q_per_kv_head.div(c.head);
             load_k(kv, 0, head_k, c.batch);
             if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
-            tma_load_rows<kBlockM, kHeadDim>(sQ, &maps.q, row0, c.head, c.batch, full_q);
+            tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ, &maps.q, row0, c.head, c.batch, full_q);
             for (int j = 0; j < n_block_max; ++j) {
                 if (j > 0) load_k(kv + j, j, head_k, c.batch);
                 load_v(kv + j, j, head_k, c.batch);
@@ -253,17 +256,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr uint32_t kPColBlockBytes = kWarpgroupRows * kSwizzleRowBytes;
 
     // K-major descriptors of this warpgroup's 64 Q rows; K and V descriptors are per stage.
-    const uint64_t desc_q = make_smem_desc_sw128(sQ + wg * kWarpgroupRows * kSwizzleRowBytes, 16, kSwizzleAtomBytes);
+    // k-step kk of Q K^T starts in column block kk / kSteps, 32 bytes per k-step into its rows.
+    constexpr int kSteps = Span::kKStepsPerBlock;
+    const uint64_t desc_q = make_smem_desc<kSpan>(sQ + wg * kWarpgroupRows * Span::kBytes, 16, Span::kAtomBytes);
     auto issue_s = [&](int stage) {  // S = Q K_stage^T, kKStepsD wgmmas, K-major A and B
-        const uint64_t desc_k = make_smem_desc_sw128(sK + stage * Traits::kSmemKVTileBytes, 16, kSwizzleAtomBytes);
+        const uint64_t desc_k = make_smem_desc<kSpan>(sK + stage * Traits::kSmemKVTileBytes, 16, Span::kAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
-            Wgmma<Element, kBlockN>::template ss<0>(s, desc_advance(desc_q, (kk / 4) * kQColBlockBytes + (kk % 4) * 32),
-                                                    desc_advance(desc_k, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32), kk > 0);
+            Wgmma<Element, kBlockN>::template ss<0>(
+                s, desc_advance(desc_q, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32),
+                desc_advance(desc_k, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32), kk > 0);
         }
     };
     auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers (or sP_wg), V N-major
-        const uint64_t desc_v = make_smem_desc_sw128(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, kSwizzleAtomBytes);
+        const uint64_t desc_v =
+            make_smem_desc<kSpan>(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, Span::kAtomBytes);
         const uint64_t desc_p = make_smem_desc_sw128(sP_wg, 16, kSwizzleAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsN; ++kk) {

@@ -34,8 +34,11 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 // O += P V reads it there through a descriptor (FA3's and FA4's "not RS" P V). Under the intra-warpgroup overlap
 // P_{j-1} then needs no registers beside S_j and acc_o, which lets three warpgroups' 160 registers hold the overlap
 // at 128-key blocks up to head dim 96 (FA4's sm90 tile there, 192 x 128).
+// kSpanBytes: Q, K and V in the SW128 layout (128, column blocks of 64) or SW64 (64, column blocks of 32:
+// hopper_utils.cuh), which tiles head dims 65-96 at 96 columns instead of 128. P tiles stay SW128.
 template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kNWarpgroups_ = 2,
-          bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_, bool kPSmem_ = false>
+          bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_, bool kPSmem_ = false,
+          int kSpanBytes_ = kSwizzleRowBytes>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -50,6 +53,8 @@ struct HopperFwdTraits {
     static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
     static constexpr bool kIntraWgOverlap = kIntraWgOverlap_;
     static constexpr bool kPSmem = kPSmem_;
+    static constexpr int kSpanBytes = kSpanBytes_;  // the Q, K and V tiles' SwizzleSpan
+    static constexpr int kBlockElems = SwizzleSpan<kSpanBytes>::kBlockElems;
     // Two smaller changes that ride with the overlap: each consumer warp's lane 0 releases a K, V or Q stage (one
     // mbarrier arrival per warp, after __syncwarp, instead of one per thread), and the row max of S_j runs as
     // kRowMaxChains independent fmaxf chains combined at the end instead of one chain through every column.
@@ -84,13 +89,13 @@ struct HopperFwdTraits {
     static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + 4 * kNTileSlots + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
-    static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
-    static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kSwizzleBlockElems,
-                  "Q K^T's head dim: whole k16 steps in the tile's last 64-column block");
+    static_assert(kHeadDim % kBlockElems == 0, "the tile width must be whole column blocks (of 64, or 32 for SW64)");
+    static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kBlockElems,
+                  "Q K^T's head dim: whole k16 steps in the tile's last column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
     static_assert(!kPSmem || kBlockN % kSwizzleBlockElems == 0, "a P tile is whole 64-key column blocks");
-    static_assert(kVDim % 16 == 0 && kVDim <= kHeadDim && kVDim > kHeadDim - kSwizzleBlockElems,
-                  "P V's N: whole n16 tiles of O that reach into the tile's last 64-column block");
+    static_assert(kVDim % 16 == 0 && kVDim <= kHeadDim && kVDim > kHeadDim - kBlockElems,
+                  "P V's N: whole n16 tiles of O that reach into the tile's last column block");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
     static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
     static_assert(!kIntraWgOverlap || kOverlapLiveRegs + kOverlapOtherRegs <= kConsumerRegs,
@@ -126,9 +131,16 @@ struct HopperFwdTraits {
 // the warpgroup's own P V.
 // FLASH_FWD_HD96_P_SMEM (on): head dims 81-96 at every length on FA4's sm90 tile there: three consumer warpgroups
 // (192 query rows) x 128-key blocks on 2 stages, P through shared memory (kPSmem) and the intra-warpgroup overlap,
-// 224 KB. Three warpgroups with P in registers cannot hold the overlap in 160 registers, and without it ran slower
-// than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring of three hides.
+// 181 KB (224 KB in SW128). Three warpgroups with P in registers cannot hold the overlap in 160 registers, and
+// without it ran slower than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring
+// of three hides.
 // FLASH_NARROW_HD80's twins keep the two-warpgroup tiles: on this one they were no faster.
+// FLASH_FWD_HD96_SW64 (on): the hd96 configs' Q, K and V tiles 96 columns wide in the SW64 layout instead of 128
+// in SW128: TMA writes a quarter fewer bytes per stage (the quarter it drops was zeros), and the tiles take 3/4 of
+// the shared memory (169 KB for the two-warpgroup tiles, 225 KB in SW128). The forward at head dims 81-96 runs 2%
+// faster, at 65-80 about 1% (docs/results.md, section 29). Neither 144-key blocks on the three-warpgroup tile (FA3's
+// and FA4's non-causal tile there), which the freed shared memory admits, nor that tile at hd65-80 gained beyond the
+// noise.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -150,12 +162,17 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD96_P_SMEM
 #define FLASH_FWD_HD96_P_SMEM 1
 #endif
+#ifndef FLASH_FWD_HD96_SW64
+#define FLASH_FWD_HD96_SW64 1
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 constexpr bool kFwdHd96PSmem = FLASH_FWD_HD96_P_SMEM != 0;
+constexpr int kFwdHd96Span = FLASH_FWD_HD96_SW64 != 0 ? 64 : 128;  // the hd96 configs' Q, K, V SwizzleSpan
+constexpr int kFwdHd96Width = FLASH_FWD_HD96_SW64 != 0 ? 96 : 128;  // and their tile width
 // FLASH_FWD_HD96_P_SMEM's tile for hd96's config with Q K^T over kQK columns: head dims 81-96 (kQK = 96) only.
 constexpr bool fwd_hd96_p_smem(int qk_dim) { return kFwdHd96PSmem && qk_dim == 96; }
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
@@ -189,22 +206,24 @@ template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T and O over 96 columns. 192-key blocks without the narrow P V and
     // the overlap were slower here (hd80 causal at 4k-8k); with both, FLASH_FWD_HD96_BC192 runs them from 2k keys.
-    // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (two warpgroups, 3 stages; 225 KB) and
-    // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 225 KB). Three warpgroups on 192 query
+    // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (two warpgroups, 3 stages; 169 KB) and
+    // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 169 KB). Three warpgroups on 192 query
     // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
+    // FLASH_FWD_HD96_SW64: every tile 96 columns wide (SW64), else 128 (SW128).
+    static constexpr int kW = kFwdHd96Width, kSpan = kFwdHd96Span;
     template <int kQK, int kV>
-    using Tile128 = HopperFwdTraits<128, 128, 3, E, kQK, 2, kFwdIntraWgOverlapBc128, kV>;
+    using Tile128 = HopperFwdTraits<kW, 128, 3, E, kQK, 2, kFwdIntraWgOverlapBc128, kV, false, kSpan>;
     template <int kQK, int kV>
-    using Tile192 = HopperFwdTraits<128, 192, 2, E, kQK, 2, kFwdIntraWgOverlap, kV>;
+    using Tile192 = HopperFwdTraits<kW, 192, 2, E, kQK, 2, kFwdIntraWgOverlap, kV, false, kSpan>;
     // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length, for Q K^T over
     // 96 columns (head dims 81-96) only.
     template <int kQK, int kV>
-    using Tile3Wg = HopperFwdTraits<128, 128, 2, E, kQK, 3, true, kV, true>;
+    using Tile3Wg = HopperFwdTraits<kW, 128, 2, E, kQK, 3, true, kV, true, kSpan>;
     template <int kQK, int kV>
     using Short = std::conditional_t<fwd_hd96_p_smem(kQK), Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
     using Long = std::conditional_t<kFwdHd96Bc192 && !fwd_hd96_p_smem(kQK), Tile192<kQK, kV>, Short<kQK, kV>>;
-    static constexpr int kVDim = kFwdNarrowPv ? 96 : 128;
+    static constexpr int kVDim = kFwdNarrowPv ? 96 : kW;
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
     static constexpr int kLongKeys = 2048;  // where Long and Short differ (launch_fwd_hopper_tiles)

@@ -4,11 +4,11 @@
 // off the warps that run the softmax.
 //
 // Host: a tensor map (CUtensorMap, 128 bytes) per operand describes the (B, T, H, D) tensor as 4 dims,
-// innermost first: (d, seqlen, heads, batch), strides in bytes; its box is one 64-column block of kRows rows
-// (64 bf16/fp16 = 128 bytes, the swizzle span), so a kHeadDim-wide tile is kHeadDim / 64 copies, each landing
-// on its own column block of the tile. Rows past seqlen and columns past d are out of bounds and filled with
-// zeros by the hardware (the masking the cp.async path did with predicates). The maps are kernel parameters
-// (__grid_constant__), which is where the TMA unit reads them from.
+// innermost first: (d, seqlen, heads, batch), strides in bytes; its box is one column block of kRows rows (64
+// bf16/fp16 = 128 bytes, the swizzle span; 32 = 64 bytes for the SW64 layout), so a kHeadDim-wide tile is
+// kHeadDim / 64 (or / 32) copies, each landing on its own column block of the tile. Rows past seqlen and columns
+// past d are out of bounds and filled with zeros by the hardware (the masking the cp.async path did with
+// predicates). The maps are kernel parameters (__grid_constant__), which is where the TMA unit reads them from.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and its enums (types only; the encoder comes from the runtime, below)
@@ -43,12 +43,13 @@ inline TensorMapEncodeTiled tensor_map_encoder() {
 }
 
 // A (B, T, H, D) operand, strides in elements as in FwdParams (0 for a dimension of size 1), tiled as
-// kRows x 64-column boxes. The binding already checked what TMA needs: a 16-byte-aligned base, strides that
-// are multiples of 8 elements, d a multiple of 8.
-template <typename Element, int kRows>
+// kRows x 64-column boxes (kSpanBytes = 64: 32-column boxes). The binding already checked what TMA needs: a
+// 16-byte-aligned base, strides that are multiples of 8 elements, d a multiple of 8.
+template <typename Element, int kRows, int kSpanBytes = kSwizzleRowBytes>
 cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, int heads, int batch, int64_t row_stride,
                           int64_t head_stride, int64_t batch_stride) {
     static_assert(sizeof(Element) == 2, "16-bit elements: a 64-column box is the 128-byte swizzle span");
+    using Span = SwizzleSpan<kSpanBytes>;
     const TensorMapEncodeTiled encode = tensor_map_encoder();
     if (encode == nullptr) return cudaErrorNotSupported;
     constexpr int64_t kBytes = sizeof(Element);
@@ -57,11 +58,12 @@ cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, 
     const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(seqlen), static_cast<cuuint64_t>(heads),
                                 static_cast<cuuint64_t>(batch)};
     const cuuint64_t strides[3] = {bytes(row_stride), bytes(head_stride), bytes(batch_stride)};  // dims 1..3
-    const cuuint32_t box[4] = {static_cast<cuuint32_t>(kSwizzleBlockElems), static_cast<cuuint32_t>(kRows), 1, 1};
+    const cuuint32_t box[4] = {static_cast<cuuint32_t>(Span::kBlockElems), static_cast<cuuint32_t>(kRows), 1, 1};
+    constexpr CUtensorMapSwizzle kSwizzle = kSpanBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
     const cuuint32_t element_strides[4] = {1, 1, 1, 1};
     const CUresult r = encode(map, std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                               4, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                              kSwizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -80,15 +82,17 @@ inline TileMapRows tile_map_rows(const FwdParams& p) {
     return {p.total_q > 0 ? p.total_q : 1, p.total_k > 0 ? p.total_k : 1, 1};
 }
 
-template <typename Element, int kQRows, int kKVRows>
+template <typename Element, int kQRows, int kKVRows, int kSpanBytes = kSwizzleRowBytes>
 cudaError_t make_qkv_tile_maps(QkvTensorMaps* maps, const FwdParams& p) {
     const TileMapRows rows = tile_map_rows(p);
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows>(&maps->q, p.q_ptr, p.d, rows.q, p.h, rows.batches, p.q_row_stride,
-                                                          p.q_head_stride, p.q_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows>(&maps->k, p.k_ptr, p.d, rows.k, p.h_k, rows.batches,
-                                                           p.k_row_stride, p.k_head_stride, p.k_batch_stride)));
-    return make_tile_map<Element, kKVRows>(&maps->v, p.v_ptr, p.d, rows.k, p.h_k, rows.batches, p.v_row_stride,
-                                           p.v_head_stride, p.v_batch_stride);
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kSpanBytes>(&maps->q, p.q_ptr, p.d, rows.q, p.h,
+                                                                      rows.batches, p.q_row_stride, p.q_head_stride,
+                                                                      p.q_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kSpanBytes>(&maps->k, p.k_ptr, p.d, rows.k, p.h_k,
+                                                                       rows.batches, p.k_row_stride, p.k_head_stride,
+                                                                       p.k_batch_stride)));
+    return make_tile_map<Element, kKVRows, kSpanBytes>(&maps->v, p.v_ptr, p.d, rows.k, p.h_k, rows.batches,
+                                                       p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 }
 
 // -------------------------------------------------------------------------------------------------- device
@@ -107,8 +111,8 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// Box (col, row, head, batch) of `map` into shared memory at `smem` (1024-aligned for the swizzle), counted
-// on `bar`'s transaction bytes.
+// Box (col, row, head, batch) of `map` into shared memory at `smem` (aligned to the swizzle's atom: 1024 bytes for
+// SW128, 512 for SW64), counted on `bar`'s transaction bytes.
 __device__ __forceinline__ void tma_load_tile(uint32_t smem, const CUtensorMap* map, int col, int row, int head, int batch,
                                               uint32_t bar) {
     asm volatile(
@@ -117,15 +121,17 @@ __device__ __forceinline__ void tma_load_tile(uint32_t smem, const CUtensorMap* 
         : "memory");
 }
 
-// A kRows x kHeadDim tile (all its 64-column blocks) starting at `row` of (head, batch): arms `bar` with
-// the tile's bytes, then issues one copy per column block. One thread calls it.
-template <int kRows, int kHeadDim>
+// A kRows x kHeadDim tile (all its column blocks) starting at `row` of (head, batch): arms `bar` with the tile's
+// bytes, then issues one copy per column block. One thread calls it, with a map of the same kSpanBytes.
+template <int kRows, int kHeadDim, int kSpanBytes = kSwizzleRowBytes>
 __device__ __forceinline__ void tma_load_rows(uint32_t smem, const CUtensorMap* map, int row, int head, int batch, uint32_t bar) {
-    constexpr uint32_t kColBlockBytes = kRows * kSwizzleRowBytes;
-    mbarrier_arrive_expect_tx(bar, kHeadDim / kSwizzleBlockElems * kColBlockBytes);
+    using Span = SwizzleSpan<kSpanBytes>;
+    constexpr uint32_t kColBlockBytes = kRows * Span::kBytes;
+    static_assert(kHeadDim % Span::kBlockElems == 0, "whole column blocks");
+    mbarrier_arrive_expect_tx(bar, kHeadDim / Span::kBlockElems * kColBlockBytes);
 #pragma unroll
-    for (int c = 0; c < kHeadDim / kSwizzleBlockElems; ++c) {
-        tma_load_tile(smem + c * kColBlockBytes, map, c * kSwizzleBlockElems, row, head, batch, bar);
+    for (int c = 0; c < kHeadDim / Span::kBlockElems; ++c) {
+        tma_load_tile(smem + c * kColBlockBytes, map, c * Span::kBlockElems, row, head, batch, bar);
     }
 }
 

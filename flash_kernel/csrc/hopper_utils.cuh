@@ -1,6 +1,6 @@
-// Hopper (sm_90a) pieces of the forward and backward kernels: the 128-byte-swizzled shared-memory tile layout
-// that wgmma reads through matrix descriptors (and TMA writes, hopper_tma.h), the descriptors themselves, the
-// wgmma fences, mbarriers and named barriers, and the copy of a tile out of that layout.
+// Hopper (sm_90a) pieces of the forward and backward kernels: the swizzled shared-memory tile layouts that wgmma
+// reads through matrix descriptors (and TMA writes, hopper_tma.h), the descriptors themselves, the wgmma fences,
+// mbarriers and named barriers, and the copy of a tile out of that layout.
 //
 // Swizzled tile layout (the "SW128" layout of the PTX ISA's wgmma shared-memory matrix section): a tile of
 // kRows x kHeadDim 16-bit elements is stored as kHeadDim / 64 column blocks of 64 elements (128 bytes per
@@ -17,6 +17,10 @@
 //   N-major (V in O = P V: rows = K = keys, 64-element blocks along N = head dim): 8-key groups are
 //     SBO = 1024 bytes apart, the 64-column blocks LBO = kRows * 128 bytes apart; k-step kk (16 keys) starts
 //     kk * 16 * 128 bytes in.
+// The SW64 layout (SwizzleSpan<64>) is the same with rows of 64 bytes: column blocks of 32 elements, atoms of 8 rows
+// x 64 bytes (512 bytes), the chunk index's two bits XORed with (row / 2) % 4 (address bits [4:5] ^= [7:8]), so 8
+// rows of one 16-byte column still fill 8 bank groups. It tiles head dims 65-96 at 96 columns, where SW128 needs
+// 128 (a quarter of every K/V stage zeros, written by TMA and never read): the forward's Q, K and V there.
 #pragma once
 
 #include <cstdint>
@@ -29,11 +33,28 @@ constexpr int kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes: tiles start at m
 constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzleBlockElems = 64;   // 16-bit elements per 128-byte row of one column block
 
+// A swizzled layout by the bytes of its rows (its swizzle span): 128 (SW128) or 64 (SW64).
+template <int kBytes_>
+struct SwizzleSpan {
+    static_assert(kBytes_ == 128 || kBytes_ == 64, "the SW128 and SW64 layouts");
+    static constexpr int kBytes = kBytes_;                // one row of one column block
+    static constexpr int kBlockElems = kBytes / 2;        // 16-bit elements per row of one column block
+    static constexpr int kAtomBytes = 8 * kBytes;         // 8 rows: SBO of a K-major operand, and of N-major's 8 keys
+    static constexpr int kKStepsPerBlock = kBlockElems / 16;  // k16 steps of a K-major operand in one column block
+    static constexpr uint64_t kDescLayout = kBytes == 128 ? 1 : 2;  // the descriptor's layout type
+};
+
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride
-// byte offsets (all >> 4, 14 bits each), base offset 0 (tiles are 1024-aligned), layout type 1 = 128B swizzle.
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+// byte offsets (all >> 4, 14 bits each), base offset 0 (tiles are 1024-aligned), layout type 1 = 128B swizzle,
+// 2 = 64B swizzle.
+template <int kSpanBytes>
+__device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
     return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
-           (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (uint64_t{1} << 62);
+           (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (SwizzleSpan<kSpanBytes>::kDescLayout << 62);
+}
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo_bytes,
+                                                        uint32_t sbo_bytes) {
+    return make_smem_desc<128>(smem_byte_addr, lbo_bytes, sbo_bytes);
 }
 // A descriptor moved by a byte offset inside the same 256 KB window: only the 14-bit address field changes,
 // and it cannot carry (shared memory is < 256 KB). A 32-bit add on the low word: the 64-bit add cost three
