@@ -88,7 +88,7 @@ struct HopperFwdTraits {
     // + the tile slots + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + 4 * kNTileSlots + kSwizzleAtomBytes;
 
-    static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
+    static_assert(sizeof(Element) == 2, "16-bit inputs: 64 elements per 128-byte row (32 per 64-byte row in SW64)");
     static_assert(kHeadDim % kBlockElems == 0, "the tile width must be whole column blocks (of 64, or 32 for SW64)");
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last column block");
@@ -172,7 +172,9 @@ constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 constexpr bool kFwdHd96PSmem = FLASH_FWD_HD96_P_SMEM != 0;
 constexpr int kFwdHd96Span = FLASH_FWD_HD96_SW64 != 0 ? 64 : 128;  // the hd96 configs' Q, K, V SwizzleSpan
-constexpr int kFwdHd96Width = FLASH_FWD_HD96_SW64 != 0 ? 96 : 128;  // and their tile width
+// Their tile width: head dim 96 rounded up to whole column blocks of that span (96 in SW64, 128 in SW128).
+constexpr int kFwdHd96Block = SwizzleSpan<kFwdHd96Span>::kBlockElems;
+constexpr int kFwdHd96Width = (96 + kFwdHd96Block - 1) / kFwdHd96Block * kFwdHd96Block;
 // FLASH_FWD_HD96_P_SMEM's tile for hd96's config with Q K^T over kQK columns: head dims 81-96 (kQK = 96) only.
 constexpr bool fwd_hd96_p_smem(int qk_dim) { return kFwdHd96PSmem && qk_dim == 96; }
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim

@@ -48,7 +48,7 @@ inline TensorMapEncodeTiled tensor_map_encoder() {
 template <typename Element, int kRows, int kSpanBytes = kSwizzleRowBytes>
 cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, int heads, int batch, int64_t row_stride,
                           int64_t head_stride, int64_t batch_stride) {
-    static_assert(sizeof(Element) == 2, "16-bit elements: a 64-column box is the 128-byte swizzle span");
+    static_assert(sizeof(Element) == 2, "16-bit elements: a box of kBlockElems columns is one swizzle span");
     using Span = SwizzleSpan<kSpanBytes>;
     const TensorMapEncodeTiled encode = tensor_map_encoder();
     if (encode == nullptr) return cudaErrorNotSupported;

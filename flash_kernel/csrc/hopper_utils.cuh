@@ -29,10 +29,6 @@
 
 namespace flash {
 
-constexpr int kSwizzleAtomBytes = 1024;  // 8 rows x 128 bytes: tiles start at multiples of this
-constexpr int kSwizzleRowBytes = 128;
-constexpr int kSwizzleBlockElems = 64;   // 16-bit elements per 128-byte row of one column block
-
 // A swizzled layout by the bytes of its rows (its swizzle span): 128 (SW128) or 64 (SW64).
 template <int kBytes_>
 struct SwizzleSpan {
@@ -43,6 +39,11 @@ struct SwizzleSpan {
     static constexpr int kKStepsPerBlock = kBlockElems / 16;  // k16 steps of a K-major operand in one column block
     static constexpr uint64_t kDescLayout = kBytes == 128 ? 1 : 2;  // the descriptor's layout type
 };
+
+// SW128, the layout of every tile but the forward's Q, K and V at head dims 65-96.
+constexpr int kSwizzleAtomBytes = SwizzleSpan<128>::kAtomBytes;    // 1024: tiles start at multiples of this
+constexpr int kSwizzleRowBytes = SwizzleSpan<128>::kBytes;
+constexpr int kSwizzleBlockElems = SwizzleSpan<128>::kBlockElems;  // 64 elements per row of one column block
 
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride
 // byte offsets (all >> 4, 14 bits each), base offset 0 (tiles are 1024-aligned), layout type 1 = 128B swizzle,
