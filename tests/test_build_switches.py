@@ -15,10 +15,11 @@ import pytest
 
 SWITCHES = {  # switch -> (an instantiation file whose schedule it changes, its default, other switches held)
     "FLASH_FWD_INTRA_WG_OVERLAP": ("flash_fwd_hdim128_bf16.cu", 1, []),
-    # hd96's 192-key tile and its three-warpgroup tile run the overlap whatever this switch says: both held off,
+    # hd96's 192-key tile and its three-warpgroup tiles run the overlap whatever this switch says: all held off,
     # the file has only 128-key tiles of two warpgroups
     "FLASH_FWD_INTRA_WG_OVERLAP_BC128": ("flash_fwd_hdim96_bf16.cu", 0,
-                                         ["FLASH_FWD_HD96_BC192=0", "FLASH_FWD_HD96_P_SMEM=0"]),
+                                         ["FLASH_FWD_HD96_BC192=0", "FLASH_FWD_HD96_P_SMEM=0",
+                                          "FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     "FLASH_FWD_INTRA_WG_OVERLAP_HD64": ("flash_fwd_hdim64_bf16.cu", 1, []),
     "FLASH_BWD_DQ_BEFORE_DK": ("flash_bwd_hdim128_bf16.cu", 1, []),
 }
@@ -50,8 +51,10 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n192k16", []),
     ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", []),
     ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", []),
-    ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", []),  # a producer + 3 consumers
+    # a producer + 3 consumers; the causal hd80 tile has them too
+    ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", ["FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", []),
+    ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", []),
     # a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set
     ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;"), []),
 ]

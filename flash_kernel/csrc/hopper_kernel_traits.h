@@ -78,7 +78,9 @@ struct HopperFwdTraits {
     static constexpr int kOverlapOtherRegs = 32;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
-    static constexpr int kSmemPTileBytes = kPSmem ? kWarpgroupRows * kBlockN * static_cast<int>(sizeof(Element)) : 0;
+    // A P tile is whole 64-key column blocks (144 keys: three, the last a quarter used).
+    static constexpr int kPTileCols = (kBlockN + kSwizzleBlockElems - 1) / kSwizzleBlockElems * kSwizzleBlockElems;
+    static constexpr int kSmemPTileBytes = kPSmem ? kWarpgroupRows * kPTileCols * static_cast<int>(sizeof(Element)) : 0;
     static constexpr int kSmemTileBytes =
         kSmemQBytes + 2 * kNStages * kSmemKVTileBytes + kNWarpgroups * kSmemPTileBytes;
     // K full, V full, K empty, V empty per stage; Q full, empty; full and empty per tile slot (the producer's tiles
@@ -93,7 +95,6 @@ struct HopperFwdTraits {
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
-    static_assert(!kPSmem || kBlockN % kSwizzleBlockElems == 0, "a P tile is whole 64-key column blocks");
     static_assert(kVDim % 16 == 0 && kVDim <= kHeadDim && kVDim > kHeadDim - kBlockElems,
                   "P V's N: whole n16 tiles of O that reach into the tile's last column block");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
@@ -165,6 +166,9 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD96_SW64
 #define FLASH_FWD_HD96_SW64 1
 #endif
+#ifndef FLASH_FWD_HD80_CAUSAL_3WG
+#define FLASH_FWD_HD80_CAUSAL_3WG 1
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
@@ -186,6 +190,14 @@ struct NarrowDimOf { static constexpr int value = 0; };
 template <typename Config>
 struct NarrowDimOf<Config, std::void_t<decltype(Config::kNarrowDim)>> {
     static constexpr int value = Config::kNarrowDim;
+};
+// A Hopper config's CausalNarrowTraits (where it names one): the tile of causal dense calls with head dims up to its
+// kNarrowDim from kLongKeys keys up, in place of NarrowTraits.
+template <typename Config, typename = void>
+struct HasCausalNarrow { static constexpr bool value = false; };
+template <typename Config>
+struct HasCausalNarrow<Config, std::void_t<typename Config::CausalNarrowTraits>> {
+    static constexpr bool value = true;
 };
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
@@ -233,6 +245,12 @@ template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr int kNarrowDim = kNarrowHd80Dim;
     using NarrowShortTraits = Short<80, 80>;
     using NarrowTraits = Long<80, 80>;
+    // FLASH_FWD_HD80_CAUSAL_3WG: causal calls at head dims 65-80 from kLongKeys keys up on FA4's tile there, 192 query
+    // rows x 144 keys on three consumer warpgroups, P through shared memory, 216 KiB: in SW64's 96-column tiles only
+    // (SW128's take 270). Below kLongKeys it runs 4% slower than NarrowShortTraits at 1024 keys.
+#if FLASH_FWD_HD80_CAUSAL_3WG && FLASH_FWD_HD96_SW64
+    using CausalNarrowTraits = HopperFwdTraits<kW, 144, 2, E, 80, 3, true, 80, true, kSpan>;
+#endif
 };
 template <typename E> struct HopperFwdConfig<128, E> {
     static constexpr bool kAvailable = true;

@@ -234,12 +234,13 @@ def test_batch_and_many_heads():
 # blocks taking theirs from a counter. Here every block runs 5-20 tiles of different lengths, the stages and
 # barrier phases run on across them, and with Tq > Tk up to half of each head's query blocks see no key (written
 # after the main tiles); o and lse are NaN-poisoned, so a tile never run shows. From 2048 keys up the hd64 and
-# hd128 forwards run wider key blocks (hopper_kernel_traits.h): the last three pairs of lengths.
+# hd128 forwards run wider key blocks and the causal hd80 one 192 x 144 tiles (hopper_kernel_traits.h): the last
+# three pairs of lengths.
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k", [(1500, 1500), (1500, 700), (700, 1500), (2600, 2600), (3000, 2100), (1500, 2600)]
 )
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("D", [64, 80, 96, 128])
 def test_persistent_forward_many_tiles(D, causal, seqlen_q, seqlen_k):
     run_case(2, seqlen_q, seqlen_k, 40, 8, D, torch.bfloat16, causal)
 
