@@ -1,9 +1,9 @@
 """Preemption: SIGTERM (sent by SLURM and Kubernetes before they kill a job), SIGINT (Ctrl-C) and SLURM's
 `--signal` (SIGUSR1 by default) end a run at the next step boundary with a checkpoint and a non-zero exit.
 
-Lightning's signal connector already catches SIGTERM: it sets `trainer.received_sigterm` (broadcast from rank 0
-at every step under DDP, so all ranks stop at the same step) and the loop raises `SIGTERMException`, a
-SystemExit with status 0, without saving. `Preemption` adds what a scheduler and the user need:
+Lightning's signal connector already catches SIGTERM: it sets `trainer.received_sigterm` and the loop raises
+`SIGTERMException`, a SystemExit with status 0, without saving. `Preemption` adds what a scheduler and the user
+need:
   - SIGINT, and SIGUSR1 when no SLURM auto-requeue handler owns it, raise the same flag, so Ctrl-C also lets
     the optimizer step finish instead of interrupting it halfway; a second Ctrl-C interrupts at once;
   - on the SIGTERMException it writes checkpoints/step<N>.ckpt and last.ckpt (unless step N was just saved),
@@ -12,15 +12,27 @@ SystemExit with status 0, without saving. `Preemption` adds what a scheduler and
     (143 for SIGTERM), so a scheduler sees a failure, not a success.
 Under SLURM, Lightning's SLURMEnvironment(auto_requeue=True) (its default when it detects SLURM) saves
 hpc_ckpt_<n>.ckpt on the requeue signal and requeues the job; `sbatch --signal=USR1@90` asks for it.
+
+On several ranks every rank must stop after the same micro-batch, or one waits forever in a collective that the
+others never reach. Lightning's SIGTERM handler broadcasts from inside the handler, where the broadcast pairs with
+whatever collective another rank is in (a 2-rank CPU run hangs in it), and its loop broadcasts rank 0's flag and
+reads it back on the host before every micro-batch (1.5-2.5 ms of idle GPU per micro-batch on GPT3-1.3B,
+docs/results.md section 16). There `Preemption` takes SIGTERM too: a signal only marks the rank, and
+`StepBoundaryStop`, in place of the loop's broadcast, all-reduces the marks on the first micro-batch of each
+optimizer step; when any rank was signalled, every rank stops there, after the same whole step.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -42,6 +54,7 @@ class Preemption(L.Callback):
     def __init__(self) -> None:
         self.signum: int | None = None  # the signal that stopped the run (SIGTERM when Lightning saw it first)
         self.checkpoint: str | None = None
+        self.ranks_agree = False  # several ranks: they stop together at a step boundary (StepBoundaryStop)
 
     # Installed once training starts, after Lightning registered its own handlers, which it restores (ours
     # gone with them) when fit() ends.
@@ -50,6 +63,11 @@ class Preemption(L.Callback):
         owned = [signal.SIGINT]
         if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):  # else SLURM requeue handles it
             owned.append(signal.SIGUSR1)
+        self.ranks_agree = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+        if self.ranks_agree:
+            owned.append(signal.SIGTERM)  # in place of Lightning's handler and its broadcast (see the docstring)
+            loop = trainer.fit_loop.epoch_loop
+            loop._broadcast_sigterm_tensor = StepBoundaryStop(trainer, lambda: self.signum is not None)
         for signum in owned:
             signal.signal(signum, lambda s, frame, trainer=trainer: self._request_stop(trainer, s))
 
@@ -59,8 +77,10 @@ class Preemption(L.Callback):
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
               "(Ctrl-C again to stop at once)", flush=True)
-        # Lightning's own SIGTERM flag: the loop then stops at the next step boundary on every rank
-        trainer._signal_connector.received_sigterm = True
+        if not self.ranks_agree:
+            # Lightning's own SIGTERM flag: its loop stops after this micro-batch (the data resume at the last
+            # step boundary, data/datamodule.py)
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
@@ -72,6 +92,28 @@ class Preemption(L.Callback):
         # A run whose trainer.max_steps is not a multiple of ckpt_every ends between two periodic saves: its
         # last steps go into step<N>.ckpt and last.ckpt too.
         save_step(trainer)
+
+
+class StepBoundaryStop:
+    """The training loop's per-micro-batch SIGTERM check on several ranks (it replaces Lightning's
+    `_broadcast_sigterm_tensor`): on the first micro-batch of each optimizer step it all-reduces (max) whether
+    this rank was signalled and, if any was, sets Lightning's flag and raises SIGTERMException on every rank
+    there. Its other micro-batches cost nothing. Every rank counts the same calls from the fit's first one, so
+    the all-reduces pair up."""
+
+    def __init__(self, trainer: L.Trainer, signalled: Callable[[], bool]):
+        self.trainer, self.signalled = trainer, signalled
+        self.every = max(1, int(trainer.accumulate_grad_batches))
+        self.calls = itertools.count()
+
+    def __call__(self) -> None:
+        if next(self.calls) % self.every:
+            return
+        flag = torch.tensor([int(self.signalled())], device=self.trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self.trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
 
 
 def save_step(trainer: L.Trainer) -> str | None:

@@ -91,6 +91,76 @@ def test_signal_mid_run_saves_the_step_exits_nonzero_and_resumes_exactly(referen
     assert _same_weights(tmp_path / "resumed" / "checkpoints" / "last.ckpt", reference["ckpt"] / "last.ckpt")
 
 
+def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monkeypatch, tmp_path):
+    """StepBoundaryStop, the loop's SIGTERM check on several ranks: one all-reduce on the first micro-batch of
+    each optimizer step and nothing on the others; a signal marked mid-step stops the loop at the next step's
+    first micro-batch, with Lightning's flag set (a 1-rank gloo group stands in for the ranks)."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from recipe.preemption import StepBoundaryStop
+
+    assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")  # the installed Lightning has what is replaced
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        reduces = []
+        real_all_reduce = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduces.append(t.clone()) or real_all_reduce(t, **kw))
+        trainer = L.Trainer(accelerator="cpu", accumulate_grad_batches=4, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        signalled = []
+        check = StepBoundaryStop(trainer, lambda: bool(signalled))
+        for _ in range(9):  # micro-batches 0-8: optimizer steps start at 0, 4 and 8
+            check()
+        assert [int(t) for t in reduces] == [0, 0, 0] and not trainer.received_sigterm
+        signalled.append(True)
+        for _ in range(3):  # micro-batches 9-11: the step in flight finishes
+            check()
+        with pytest.raises(SIGTERMException):
+            check()  # micro-batch 12: the next step's first
+        assert [int(t) for t in reduces] == [0, 0, 0, 1] and trainer.received_sigterm
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sigterm_on_two_cpu_ranks_accumulating_stops_both_at_one_step_and_resumes(reference, tmp_path):
+    """SIGTERM to the launching process of a 2-rank DDP run (gloo, CPU) with two micro-batches per rank and
+    optimizer step: both ranks stop after the same step (recipe/preemption.py StepBoundaryStop; with Lightning's
+    own handler this run hangs), the checkpoint of that step is written, the exit status is 143, and the resumed
+    run ends on the uninterrupted run's loss."""
+    common = ("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.precision=32-true",
+              "global_batch_tokens=512", "trainer.max_steps=12", "ckpt_every=2", "logger=csv")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+    def launch(out, *extra, signal_after=None):
+        cmd = [sys.executable, "train.py", *_overrides(reference["cache"], out, *common, *extra)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if signal_after is not None:
+            deadline = time.monotonic() + 300
+            while not signal_after.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+        out_text, _ = proc.communicate(timeout=300)
+        return proc.returncode, out_text
+
+    rc, out = launch(tmp_path / "full")
+    assert rc == 0, out[-3000:]
+    rc, out = launch(tmp_path / "stopped", signal_after=tmp_path / "stopped" / "checkpoints" / "step0000002.ckpt")
+    assert rc == 143 and "stopped by SIGTERM after step" in out, out[-3000:]
+    saved = Path(out.split("resume with ckpt_path=")[1].split()[0])
+    assert 2 <= _state(saved)["global_step"] < 12 and verify_checkpoint(saved)
+    rc, out = launch(tmp_path / "resumed", f"ckpt_path={saved}")
+    assert rc == 0, out[-3000:]
+    import json
+
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    assert full["global_step"] == resumed["global_step"] == 12
+    assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=1e-5)
+
+
 # -------------------------------------------------------------------------------- kill -9 during a save
 _SAVE_AND_HANG = """
 import os, sys, time, torch
