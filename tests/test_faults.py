@@ -8,6 +8,7 @@ are subprocesses, the rest call train() in this process.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -91,6 +92,33 @@ def test_signal_mid_run_saves_the_step_exits_nonzero_and_resumes_exactly(referen
     assert _same_weights(tmp_path / "resumed" / "checkpoints" / "last.ckpt", reference["ckpt"] / "last.ckpt")
 
 
+def _sigterm_and_resume(cache, tmp_path, common, env, timeout):
+    """`python train.py` with `common` three times: uninterrupted (tmp_path/full), sent SIGTERM (to the launching
+    process) once its step-2 checkpoint exists (tmp_path/stopped: exit 143), and resumed from the checkpoint that
+    run names (tmp_path/resumed). Returns that checkpoint and the first and last runs' metrics.json."""
+
+    def launch(out, *extra, signal_after=None):
+        cmd = [sys.executable, "train.py", *_overrides(cache, out, *common, *extra)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if signal_after is not None:
+            deadline = time.monotonic() + timeout
+            while not signal_after.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+        out_text, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out_text
+
+    rc, out = launch(tmp_path / "full")
+    assert rc == 0, out[-3000:]
+    rc, out = launch(tmp_path / "stopped", signal_after=tmp_path / "stopped" / "checkpoints" / "step0000002.ckpt")
+    assert rc == 143 and "stopped by SIGTERM after step" in out, out[-3000:]
+    saved = Path(out.split("resume with ckpt_path=")[1].split()[0])
+    rc, out = launch(tmp_path / "resumed", f"ckpt_path={saved}")
+    assert rc == 0, out[-3000:]
+    metrics = [json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("full", "resumed")]
+    return saved, *metrics
+
+
 def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monkeypatch, tmp_path):
     """StepBoundaryStop, the loop's SIGTERM check on several ranks: one all-reduce on the first micro-batch of
     each optimizer step and nothing on the others; a signal marked mid-step stops the loop at the next step's
@@ -133,30 +161,8 @@ def test_sigterm_on_two_cpu_ranks_accumulating_stops_both_at_one_step_and_resume
     common = ("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.precision=32-true",
               "global_batch_tokens=512", "trainer.max_steps=12", "ckpt_every=2", "logger=csv")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-
-    def launch(out, *extra, signal_after=None):
-        cmd = [sys.executable, "train.py", *_overrides(reference["cache"], out, *common, *extra)]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if signal_after is not None:
-            deadline = time.monotonic() + 300
-            while not signal_after.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-        out_text, _ = proc.communicate(timeout=300)
-        return proc.returncode, out_text
-
-    rc, out = launch(tmp_path / "full")
-    assert rc == 0, out[-3000:]
-    rc, out = launch(tmp_path / "stopped", signal_after=tmp_path / "stopped" / "checkpoints" / "step0000002.ckpt")
-    assert rc == 143 and "stopped by SIGTERM after step" in out, out[-3000:]
-    saved = Path(out.split("resume with ckpt_path=")[1].split()[0])
+    saved, full, resumed = _sigterm_and_resume(reference["cache"], tmp_path, common, env, timeout=300)
     assert 2 <= _state(saved)["global_step"] < 12 and verify_checkpoint(saved)
-    rc, out = launch(tmp_path / "resumed", f"ckpt_path={saved}")
-    assert rc == 0, out[-3000:]
-    import json
-
-    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
-    resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert full["global_step"] == resumed["global_step"] == 12
     assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=1e-5)
 
@@ -387,28 +393,7 @@ def test_sigterm_under_fsdp_on_two_gpus(reference, tmp_path, trainer, state_dict
               f"trainer.strategy.state_dict_type={state_dict_type}", f"trainer.max_steps={steps}", "ckpt_every=2",
               "model.d_model=128", "model.n_head=2", "logger=csv")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-    def launch(out, *extra, signal_after=None):
-        cmd = [sys.executable, "train.py", *_overrides(reference["cache"], out, *common, *extra)]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if signal_after is not None:
-            while not signal_after.exists() and proc.poll() is None:
-                time.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-        out_text, _ = proc.communicate(timeout=600)
-        return proc.returncode, out_text
-
-    rc, out = launch(tmp_path / "full")
-    assert rc == 0, out[-3000:]
-    rc, out = launch(tmp_path / "stopped", signal_after=tmp_path / "stopped" / "checkpoints" / "step0000002.ckpt")
-    assert rc == 143 and "stopped by SIGTERM after step" in out, out[-3000:]
-    saved = Path(out.split("resume with ckpt_path=")[1].split()[0])
+    saved, full, resumed = _sigterm_and_resume(reference["cache"], tmp_path, common, env, timeout=600)
     assert saved.is_dir() if state_dict_type == "sharded" else saved.is_file()
-    rc, out = launch(tmp_path / "resumed", f"ckpt_path={saved}")
-    assert rc == 0, out[-3000:]
-    import json
-
-    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
-    resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert full["global_step"] == resumed["global_step"] == steps
     assert resumed["train/loss"] == pytest.approx(full["train/loss"], rel=2e-2)
