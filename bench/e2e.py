@@ -529,6 +529,22 @@ def latest_bars(rows: list[dict]) -> dict[tuple, dict]:
             for r in sorted(rows, key=lambda r: r.get("run") or "")}
 
 
+def bar_layout(cases: list[tuple]) -> tuple[list[tuple[float, tuple]], list[tuple[float, tuple]]]:
+    """Where the figure's bars go: for each group (model, T, batch, accumulation) only the variants it has, side by
+    side one unit apart, a group at least three units wide (room for its tick label), one unit between groups.
+    Returns (x, case) per bar and (x, group) per group centre: a file with many variants measured on few cases
+    stays as wide as its bars."""
+    bars, centres, x = [], [], 0.0
+    for group in sorted({case[:4] for case in cases}):
+        mine = sorted(case for case in cases if case[:4] == group)
+        span = max(len(mine), 3)
+        first = x + (span - len(mine)) / 2
+        bars += [(first + k, case) for k, case in enumerate(mine)]
+        centres.append((x + (span - 1) / 2, group))
+        x += span + 1
+    return bars, centres
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -537,32 +553,28 @@ def plot(rows: list[dict], path: Path) -> None:
 
     pipe = [r for r in rows if r["mode"] == "pipeline"]
     by_case = latest_bars(pipe)
-    groups = sorted({case[:4] for case in by_case})
-    variants = sorted({case[4:] for case in by_case})
-    if not groups:
+    if not by_case:
         return
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(variants)) / 2), 4.5))
-    width = 0.8 / max(1, len(variants))
-    for i, variant in enumerate(variants):
+    bars, centres = bar_layout(list(by_case))
+    variants = sorted({case[4:] for case in by_case})
+    colors = plt.get_cmap("tab20" if len(variants) > 10 else "tab10")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * (max(x for x, _ in bars) + 2)), 4.5))
+    labelled = set()
+    for x, case in bars:
+        r, variant = by_case[case], case[4:]
         attn, comp, gpus, strategy = variant
-        xs, ys, labels = [], [], []
-        for g, group in enumerate(groups):
-            r = by_case.get((*group, *variant))
-            if r is None:
-                continue
-            xs.append(g + i * width)
-            ys.append(r["tflops_per_gpu"] if r["status"] == "ok" else 0.0)
-            labels.append("OOM" if r["status"] != "ok" else f"{r['tflops_per_gpu']:.0f}")
         label = f"{attn}{' +compile' if comp else ''}{f' ({gpus}× {strategy})' if gpus > 1 else ''}"
-        bars = ax.bar(xs, ys, width, label=label)
-        for bar, lab in zip(bars, labels):
-            ax.annotate(lab, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
-                  [f"{m}\n{_batch(B, K)}×{T}" for m, T, B, K in groups])
+        ok = r["status"] == "ok"
+        (bar,) = ax.bar([x], [r["tflops_per_gpu"] if ok else 0.0], 0.85, color=colors(variants.index(variant)),
+                        label=None if variant in labelled else label)
+        labelled.add(variant)
+        ax.annotate(f"{r['tflops_per_gpu']:.0f}" if ok else "OOM", (x, bar.get_height()), ha="center", va="bottom",
+                    fontsize=6)
+    ax.set_xticks([x for x, _ in centres], [f"{m}\n{_batch(B, K)}×{T}" for _, (m, T, B, K) in centres], fontsize=8)
     ax.set_ylabel("TFLOP/s per GPU (6N + 12LdT)")
     devices = ", ".join(sorted({r["device"] for r in pipe}))
     ax.set_title(f"End-to-end GPT training step (batch × T), bf16, latest run per case — {devices}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: inside, it covered bar labels
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: inside, it covered bar labels
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

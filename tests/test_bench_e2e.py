@@ -49,6 +49,18 @@ def test_a_bar_is_the_latest_row_of_its_options():
     assert sorted(r["tokens_per_s"] for r in bars.values()) == [192.0, 195.0]
 
 
+def test_the_figure_places_only_the_bars_a_case_has():
+    """bar_layout: a group holds its own variants one unit apart (no slots for variants measured elsewhere), at
+    least three units wide, one unit between groups; each group's tick sits at its centre."""
+    a, b = ("m", 2048, 8, 1), ("m", 8192, 2, 1)
+    cases = [(*a, "flash", False, 1, "single"), (*a, "sdpa", False, 1, "single"), (*a, "flash", True, 1, "single"),
+             (*b, "flash", False, 2, "ddp")]
+    bars, centres = e2e.bar_layout(cases)
+    assert [x for x, _ in bars] == [0.0, 1.0, 2.0, 5.0] and len({case for _, case in bars}) == 4
+    assert [case[:4] for _, case in bars] == [a, a, a, b]
+    assert centres == [(1.0, a), (5.0, b)]
+
+
 def test_ratio_only_pairs_rows_of_one_run():
     rows = [{**_row("pipeline", "flash", 190.0), "run": "b"}, {**_row("bare", "flash", 200.0), "run": "a"}]
     flash_line = next(line for line in e2e.table(rows).splitlines() if "| flash |" in line)
