@@ -19,7 +19,8 @@ whatever collective another rank is in (a 2-rank CPU run hangs in it), and its l
 reads it back on the host before every micro-batch (1.5-2.5 ms of idle GPU per micro-batch on GPT3-1.3B,
 docs/results.md section 16). There `Preemption` takes SIGTERM too: a signal only marks the rank, and
 `StepBoundaryStop`, in place of the loop's broadcast, all-reduces the marks on the first micro-batch of each
-optimizer step; when any rank was signalled, every rank stops there, after the same whole step.
+optimizer step and reads them one step later, so the host never waits for the GPU; when any rank was signalled,
+every rank stops at the same step boundary, one step after the step in flight.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Preemption(L.Callback):
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping "
+        steps = "this step and the next (every rank stops at one step)" if self.ranks_agree else "this step"
+        print(f"\n{signal.Signals(signum).name}: finishing {steps}, then saving a checkpoint and stopping "
               "(Ctrl-C again to stop at once)", flush=True)
         if not self.ranks_agree:
             # Lightning's own SIGTERM flag: its loop stops after this micro-batch (the data resume at the last
@@ -95,25 +97,40 @@ class Preemption(L.Callback):
 
 
 class StepBoundaryStop:
-    """The training loop's per-micro-batch SIGTERM check on several ranks (it replaces Lightning's
-    `_broadcast_sigterm_tensor`): on the first micro-batch of each optimizer step it all-reduces (max) whether
-    this rank was signalled and, if any was, sets Lightning's flag and raises SIGTERMException on every rank
-    there. Its other micro-batches cost nothing. Every rank counts the same calls from the fit's first one, so
-    the all-reduces pair up."""
+    """The training loop's SIGTERM check on several ranks, in place of Lightning's `_broadcast_sigterm_tensor`
+    (called before every micro-batch). On the first micro-batch of each optimizer step it all-reduces (max)
+    whether this rank was signalled, and reads the all-reduce of the step before, which finished long ago: the
+    host never waits for the GPU here. When any rank was signalled, every rank sets Lightning's flag and raises
+    SIGTERMException at the same micro-batch, the step after the one in flight when the signal came. Every rank
+    counts the same calls from the fit's first one, so the all-reduces pair up."""
 
     def __init__(self, trainer: L.Trainer, signalled: Callable[[], bool]):
         self.trainer, self.signalled = trainer, signalled
         self.every = max(1, int(trainer.accumulate_grad_batches))
         self.calls = itertools.count()
+        self.pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # last step's flag, on the host
 
     def __call__(self) -> None:
         if next(self.calls) % self.every:
             return
-        flag = torch.tensor([int(self.signalled())], device=self.trainer.strategy.root_device)
+        if self.pending is not None:
+            flag, reduced = self.pending
+            if reduced is not None:
+                reduced.synchronize()
+            if flag.item():
+                self.trainer._signal_connector.received_sigterm = True
+                raise SIGTERMException()
+        device = self.trainer.strategy.root_device
+        flag = torch.full((1,), int(self.signalled()), dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            self.trainer._signal_connector.received_sigterm = True
-            raise SIGTERMException()
+        if device.type == "cuda":  # copied to pinned memory behind the all-reduce, read at the next step
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            reduced = torch.cuda.Event()
+            reduced.record()
+            self.pending = (host, reduced)
+        else:
+            self.pending = (flag, None)
 
 
 def save_step(trainer: L.Trainer) -> str | None:

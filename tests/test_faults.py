@@ -121,8 +121,9 @@ def _sigterm_and_resume(cache, tmp_path, common, env, timeout):
 
 def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monkeypatch, tmp_path):
     """StepBoundaryStop, the loop's SIGTERM check on several ranks: one all-reduce on the first micro-batch of
-    each optimizer step and nothing on the others; a signal marked mid-step stops the loop at the next step's
-    first micro-batch, with Lightning's flag set (a 1-rank gloo group stands in for the ranks)."""
+    each optimizer step and nothing on the others; a signal marked mid-step goes into the next step's all-reduce,
+    and the step after that stops at its first micro-batch with Lightning's flag set (a 1-rank gloo group stands
+    in for the ranks)."""
     import lightning as L
     import torch.distributed as dist
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -142,13 +143,14 @@ def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monk
         check = StepBoundaryStop(trainer, lambda: bool(signalled))
         for _ in range(9):  # micro-batches 0-8: optimizer steps start at 0, 4 and 8
             check()
-        assert [int(t) for t in reduces] == [0, 0, 0] and not trainer.received_sigterm
+        assert [int(t) for t in reduces] == [0, 0, 0]
         signalled.append(True)
-        for _ in range(3):  # micro-batches 9-11: the step in flight finishes
+        for _ in range(7):  # micro-batches 9-15: the step in flight, then the next, whose all-reduce carries it
             check()
+        assert [int(t) for t in reduces] == [0, 0, 0, 1] and not trainer.received_sigterm
         with pytest.raises(SIGTERMException):
-            check()  # micro-batch 12: the next step's first
-        assert [int(t) for t in reduces] == [0, 0, 0, 1] and trainer.received_sigterm
+            check()  # micro-batch 16: the first of the step after
+        assert len(reduces) == 4 and trainer.received_sigterm
     finally:
         dist.destroy_process_group()
 
