@@ -482,7 +482,7 @@ def table(rows: list[dict]) -> str:
     side by side, and on several GPUs per-GPU tokens/s against one GPU's: the pipeline's, then the bare loop's
     against the one-GPU bare loop ('0.987; bare 0.994')."""
     by_key = {_key(r): r for r in rows}
-    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], *k[4:8]))
+    cases = sorted({k[:1] + k[2:] for k in by_key}, key=lambda k: (k[0], k[1], k[2], -k[3], *k[4:]))
     lines = [
         "| device | model | T | batch/GPU | attention | compile | GPUs | tokens/s/GPU | TFLOP/s/GPU | MFU % | peak GiB "
         "| bare tokens/s | pipeline / bare | per GPU / 1 GPU | FA2 paper 8×A100 |",
