@@ -67,20 +67,16 @@ cudaError_t launch_fwd_hopper_tiles(const FwdParams& params, cudaStream_t stream
     return launch_fwd_hopper<Traits, kIsCausal, kVarlenOrLocal>(params, stream);
 }
 
-// The Hopper kernel of HopperFwdConfig for this input: for head dims up to its kNarrowDim its NarrowTraits and
-// NarrowShortTraits (dense causal calls from kLongKeys keys up: its CausalNarrowTraits where it names one), else its
-// Traits and ShortTraits (hopper_kernel_traits.h).
+// The Hopper kernel of HopperFwdConfig for this input: for head dims up to its kNarrowDim its NarrowTraits (dense
+// causal calls: CausalNarrowOf) and NarrowShortTraits, else its Traits and ShortTraits (hopper_kernel_traits.h).
 template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
 cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
     if constexpr (NarrowDimOf<Config>::value > 0) {
         if (params.d <= NarrowDimOf<Config>::value) {
-            if constexpr (kIsCausal && HasCausalNarrow<Config>::value) {
-                if (params.seqlen_k >= Config::kLongKeys) {
-                    return launch_fwd_hopper<typename Config::CausalNarrowTraits, true, false>(params, stream);
-                }
-            }
-            return launch_fwd_hopper_tiles<typename Config::NarrowTraits, typename Config::NarrowShortTraits,
-                                           Config::kLongKeys, kIsCausal, kVarlenOrLocal>(params, stream);
+            using Narrow = std::conditional_t<kIsCausal && !kVarlenOrLocal, typename CausalNarrowOf<Config>::type,
+                                              typename Config::NarrowTraits>;
+            return launch_fwd_hopper_tiles<Narrow, typename Config::NarrowShortTraits, Config::kLongKeys, kIsCausal,
+                                           kVarlenOrLocal>(params, stream);
         }
     }
     return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, Config::kLongKeys, kIsCausal,

@@ -137,11 +137,11 @@ struct HopperFwdTraits {
 // of three hides.
 // FLASH_NARROW_HD80's twins keep the two-warpgroup tiles: on this one they were no faster.
 // FLASH_FWD_HD96_SW64 (on): the hd96 configs' Q, K and V tiles 96 columns wide in the SW64 layout instead of 128
-// in SW128: TMA writes a quarter fewer bytes per stage (the quarter it drops was zeros), and the tiles take 3/4 of
-// the shared memory (169 KB for the two-warpgroup tiles, 225 KB in SW128). The forward at head dims 81-96 runs 2%
-// faster, at 65-80 about 1% (docs/results.md, section 29). Neither 144-key blocks on the three-warpgroup tile (FA3's
-// and FA4's non-causal tile there), which the freed shared memory admits, nor that tile at hd65-80 gained beyond the
-// noise.
+// in SW128: TMA writes a quarter fewer bytes per stage (the quarter it drops holds only zeros), and the tiles take
+// 3/4 of the shared memory (169 KB for the two-warpgroup tiles, 225 KB in SW128). The forward at head dims 81-96 runs
+// 2% faster, at 65-80 about 1% (docs/results.md, section 29). 144-key blocks on the three-warpgroup tile (FA3's and
+// FA4's tile there), which the freed shared memory admits, gain nothing beyond the noise at hd81-96 or non-causal
+// hd65-80; causal hd65-80 from kLongKeys keys runs them (FLASH_FWD_HD80_CAUSAL_3WG below).
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -191,13 +191,13 @@ template <typename Config>
 struct NarrowDimOf<Config, std::void_t<decltype(Config::kNarrowDim)>> {
     static constexpr int value = Config::kNarrowDim;
 };
-// A Hopper config's CausalNarrowTraits (where it names one): the tile of causal dense calls with head dims up to its
-// kNarrowDim from kLongKeys keys up, in place of NarrowTraits.
+// The tile of causal dense calls with head dims up to a Hopper config's kNarrowDim from kLongKeys keys up: its
+// CausalNarrowTraits where it names one, else its NarrowTraits.
 template <typename Config, typename = void>
-struct HasCausalNarrow { static constexpr bool value = false; };
+struct CausalNarrowOf { using type = typename Config::NarrowTraits; };
 template <typename Config>
-struct HasCausalNarrow<Config, std::void_t<typename Config::CausalNarrowTraits>> {
-    static constexpr bool value = true;
+struct CausalNarrowOf<Config, std::void_t<typename Config::CausalNarrowTraits>> {
+    using type = typename Config::CausalNarrowTraits;
 };
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
