@@ -108,29 +108,28 @@ class StepBoundaryStop:
         self.trainer, self.signalled = trainer, signalled
         self.every = max(1, int(trainer.accumulate_grad_batches))
         self.calls = itertools.count()
-        self.pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None  # last step's flag, on the host
+        self.flag: torch.Tensor | None = None  # the last step's reduced flag, on the host (pinned on a GPU)
+        self.reduced: torch.cuda.Event | None = None  # recorded behind the flag's copy to the host (on a GPU)
 
     def __call__(self) -> None:
         if next(self.calls) % self.every:
             return
-        if self.pending is not None:
-            flag, reduced = self.pending
-            if reduced is not None:
-                reduced.synchronize()
-            if flag.item():
+        if self.flag is not None:
+            if self.reduced is not None:
+                self.reduced.synchronize()
+            if self.flag.item():
                 self.trainer._signal_connector.received_sigterm = True
                 raise SIGTERMException()
         device = self.trainer.strategy.root_device
         flag = torch.full((1,), int(self.signalled()), dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if device.type == "cuda":  # copied to pinned memory behind the all-reduce, read at the next step
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            reduced = torch.cuda.Event()
-            reduced.record()
-            self.pending = (host, reduced)
-        else:
-            self.pending = (flag, None)
+        if device.type != "cuda":
+            self.flag = flag
+            return
+        if self.reduced is None:  # one pinned buffer and one event, reused: last step's flag is read above first
+            self.flag, self.reduced = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
+        self.flag.copy_(flag, non_blocking=True)
+        self.reduced.record()
 
 
 def save_step(trainer: L.Trainer) -> str | None:
