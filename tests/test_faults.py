@@ -119,11 +119,17 @@ def _sigterm_and_resume(cache, tmp_path, common, env, timeout):
     return saved, *metrics
 
 
-def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monkeypatch, tmp_path):
+_one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL on a CUDA device: needs a GPU")
+
+
+@pytest.mark.parametrize("backend, accelerator", [
+    ("gloo", "cpu"), pytest.param("nccl", "cuda", marks=[pytest.mark.gpu, _one_gpu])])
+def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monkeypatch, tmp_path, backend,
+                                                                            accelerator):
     """StepBoundaryStop, the loop's SIGTERM check on several ranks: one all-reduce on the first micro-batch of
     each optimizer step and nothing on the others; a signal marked mid-step goes into the next step's all-reduce,
-    and the step after that stops at its first micro-batch with Lightning's flag set (a 1-rank gloo group stands
-    in for the ranks)."""
+    and the step after that stops at its first micro-batch with Lightning's flag set (a 1-rank group stands in for
+    the ranks: gloo on the CPU, and NCCL on a GPU, whose flag comes back through pinned memory behind an event)."""
     import lightning as L
     import torch.distributed as dist
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -132,13 +138,15 @@ def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monk
     from recipe.preemption import StepBoundaryStop
 
     assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")  # the installed Lightning has what is replaced
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    if accelerator == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         reduces = []
         real_all_reduce = dist.all_reduce
         monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduces.append(t.clone()) or real_all_reduce(t, **kw))
-        trainer = L.Trainer(accelerator="cpu", accumulate_grad_batches=4, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(accelerator=accelerator, devices=1, accumulate_grad_batches=4, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         signalled = []
         check = StepBoundaryStop(trainer, lambda: bool(signalled))
         for _ in range(9):  # micro-batches 0-8: optimizer steps start at 0, 4 and 8
@@ -151,6 +159,9 @@ def test_ranks_check_for_a_signal_once_per_optimizer_step_and_stop_together(monk
         with pytest.raises(SIGTERMException):
             check()  # micro-batch 16: the first of the step after
         assert len(reduces) == 4 and trainer.received_sigterm
+        assert reduces[0].device.type == accelerator
+        if accelerator == "cuda":
+            assert check.flag.is_pinned() and check.flag.device.type == "cpu"
     finally:
         dist.destroy_process_group()
 
