@@ -67,3 +67,28 @@ def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, held
     marked = (lambda ptx: mark.search(ptx) is not None) if isinstance(mark, re.Pattern) else (lambda ptx: mark in ptx)
     assert marked(on) and not marked(off)
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
+
+
+def _exponentials_after_a_wait(ptx: str, *name_parts: str) -> list[int]:
+    """For each `wgmma.wait_group 0` in the kernel whose name contains every one of `name_parts`, how many ex2
+    instructions follow it before the next barrier, wgmma or wgmma wait."""
+    kernel = next(e for e in ptx.split(".visible .entry ")[1:] if all(n in e.split("(")[0] for n in name_parts))
+    counts = []
+    for chunk in kernel.split("wgmma.wait_group.sync.aligned 0;")[1:]:
+        ends = [i for i in (chunk.find(m) for m in ("bar.sync", "wgmma.mma_async", "wgmma.wait_group")) if i >= 0]
+        counts.append(chunk[:min(ends, default=len(chunk))].count("ex2.approx"))
+    return counts
+
+
+def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_ptx):
+    """FLASH_FWD_EXP_SPLIT: in hd128's 192-key non-causal kernel, a turn after the first exponentiates 2 rows x 12 of
+    S_j's 24 n8 tiles x 2 columns = 48 elements after the wait for its own P V at 50%, none at 100 (the first turn,
+    which waits for S_0 alone, exponentiates all 96 after its wait either way); hd64's three warpgroups keep all
+    before it at any setting."""
+    tile = ("HopperFwdTraitsILi128ELi192ELi2E", "EEELb0ELb0EEEv")  # the 192-key tile; neither causal nor varlen
+    half, whole = (device_ptx("flash_fwd_hdim128_bf16.cu", [f"FLASH_FWD_EXP_SPLIT={pct}"]) for pct in (50, 100))
+    assert 48 in _exponentials_after_a_wait(half, *tile) and 96 + 2 in _exponentials_after_a_wait(half, *tile)
+    assert max(_exponentials_after_a_wait(whole, *tile)[1:]) == 0
+    assert device_ptx("flash_fwd_hdim128_bf16.cu", []) == half, "FLASH_FWD_EXP_SPLIT's default is not 50"
+    hd64 = [device_ptx("flash_fwd_hdim64_bf16.cu", [f"FLASH_FWD_EXP_SPLIT={pct}"]) for pct in (50, 100)]
+    assert hd64[0] == hd64[1]

@@ -24,7 +24,8 @@
 //     the consumer's registers together: hopper_kernel_traits.h): a turn commits S_j and then O += P_{j-1} V_{j-1}
 //     as two wgmma groups and waits for S_j alone, so the softmax of S_j (mask, m_i, exponentials, l_i) also runs
 //     while the warpgroup's own P V is on the tensor cores. O's rescale and P_j's packing into the A-operand
-//     registers, which that P V reads, wait for it.
+//     registers, which that P V reads, wait for it; so does a share of the exponentials (Traits::
+//     kExpTilesBeforeWait), which ptxas then interleaves with the rescale and the packing on the SFU's latency.
 //   - Persistent (fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
@@ -286,10 +287,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
     // defer_o = std::true_type (kIntraWgOverlap, while this warpgroup's P_{j-1} V_{j-1} is in flight): acc_o and p,
     // which that wgmma reads, are left alone; P_j stays in s and O's factors in `correction` until rescale_o_pack_p
-    // after the wait.
+    // after the wait, which also exponentiates S_j's tiles from kExpTilesBeforeWait on.
     // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
     int local_len_k = 0, local_co = 0;
     float correction[2];
+    float row_max_scaled[2];  // defer_o: each row's m_i * scale_log2, for the exponentials after the wait
+    // defer_o: S_j's n8 tiles [0, kExpTilesBeforeWait) are exponentiated before the wait for P_{j-1} V_{j-1}, the
+    // rest by rescale_o_pack_p after it (hopper_kernel_traits.h, FLASH_FWD_EXP_SPLIT).
+    constexpr int kExpTilesBeforeWait = Traits::kExpTilesBeforeWait;
     // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk: four 8x8 matrices (rows
     // 0-7 and 8-15 of the warp's 16, keys 0-7, then the same rows, keys 8-15). kPSmem: one stmatrix per k-step writes
     // them to the warp's rows of sP_wg instead (stmatrix_k_step). Each warp's part of the P V wgmma reads only its
@@ -381,6 +386,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             mx = quad_max(mx);
             const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
             const float row_correction = fast_exp2(m_i[r] * scale_log2 - max_scaled);
+            row_max_scaled[r] = max_scaled;
             m_i[r] = mx;
             l_i[r] *= row_correction;
             if constexpr (kDeferO) {
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 }
             }
 #pragma unroll
-            for (int i = 0; i < kNTilesN; ++i) {
+            for (int i = 0; i < (kDeferO ? kExpTilesBeforeWait : kNTilesN); ++i) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     s[4 * i + 2 * r + e] = fast_exp2(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled));
@@ -403,10 +409,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
         if constexpr (!kDeferO) pack_p();
     };
-    // The rest of a deferred softmax, once this warpgroup's P_{j-1} V_{j-1} completed.
+    // The rest of a deferred softmax, once this warpgroup's P_{j-1} V_{j-1} completed: the exponentials of S_j's last
+    // tiles and their l_i, O's rescale, P_j's packing (one basic block, which ptxas interleaves).
     auto rescale_o_pack_p = [&] {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int i = kExpTilesBeforeWait; i < kNTilesN; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    s[4 * i + 2 * r + e] = fast_exp2(fmaf(s[4 * i + 2 * r + e], scale_log2, -row_max_scaled[r]));
+                }
+                l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
+            }
 #pragma unroll
             for (int i = 0; i < kNTilesD; ++i) {
                 acc_o[4 * i + 2 * r] *= correction[r];
@@ -502,10 +517,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 release(empty_k(stage));
                 if (n_block == n_block_max - 1) release(empty_q);
                 softmax(n_min + n_block, row0, std::true_type{});
-                // The exponentials and l_i stay before the wait for the P V (they are the overlap), O's rescale and
-                // the writes of p after it (that wgmma reads acc_o and p until it completes). The pins order them for
-                // nvcc's optimizer; for ptxas, the wait for V_j between them (a loop) ends a basic block: its
-                // scheduler hoists a wgmma wait (WARPGROUP.DEPBAR) to the top of its block, above the exponentials.
+                // The first kExpTilesBeforeWait tiles' exponentials and l_i stay before the wait for the P V (they
+                // are the overlap), O's rescale and the writes of p after it (that wgmma reads acc_o and p until it
+                // completes). The pins order them for nvcc's optimizer; for ptxas, the wait for V_j between them (a
+                // loop) ends a basic block: its scheduler hoists a wgmma wait (WARPGROUP.DEPBAR) to the top of its
+                // block, above the exponentials there.
                 pin_registers(s);
                 pin_registers(l_i);
                 pin_registers(correction);

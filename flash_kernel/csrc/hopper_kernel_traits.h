@@ -22,6 +22,16 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpgroupRows = 64;               // wgmma's M
 constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers (flash_fwd_hopper_kernel.cuh)
 
+// FLASH_FWD_EXP_SPLIT (percent, 50; docs/kernel_design.md, "Build switches"): under the intra-warpgroup overlap, the
+// share of S_j's exponentials that run before the wait for the warpgroup's own P_{j-1} V_{j-1}. The rest run after
+// it, where ptxas interleaves them with O's rescale and P_j's packing (FA4's order), which otherwise follow the last
+// exponential one after another on the warpgroup's path to its next turn. 100: all before the wait.
+#ifndef FLASH_FWD_EXP_SPLIT
+#define FLASH_FWD_EXP_SPLIT 50
+#endif
+constexpr int kFwdExpSplitPct = FLASH_FWD_EXP_SPLIT;
+static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPLIT is a percentage");
+
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
@@ -76,6 +86,11 @@ struct HopperFwdTraits {
     // kPSmem: P_{j-1} is in shared memory, not registers.
     static constexpr int kOverlapLiveRegs = kVDim / 2 + kBlockN / 2 + (kPSmem ? 0 : kBlockN / 4);
     static constexpr int kOverlapOtherRegs = 32;
+    // kIntraWgOverlap: the n8 column tiles of S_j whose exponentials run before the wait for P_{j-1} V_{j-1}, whole
+    // k16 steps (FLASH_FWD_EXP_SPLIT). Head dims up to 64 (three warpgroups on 128-key blocks) run them all before:
+    // split there, the forward timed 0.97-1.00 x, 0.99 x over six cells (docs/results.md, section 32).
+    static constexpr int kExpTilesBeforeWait =
+        kHeadDim <= 64 ? kBlockN / kMmaN : kBlockN / kMmaN * kFwdExpSplitPct / 100 / 2 * 2;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
     // A P tile is whole 64-key column blocks (144 keys: three, the last a quarter used).
