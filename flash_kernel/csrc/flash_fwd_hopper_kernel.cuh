@@ -319,6 +319,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             }
         }
     };
+    // P = exp2(S scale_log2 - max_scaled) for row r (r = 0: my_row, 1: my_row + 8) over S's n8 tiles [begin, end),
+    // summed into l_i.
+    auto exponentiate = [&](int r, float max_scaled, int begin, int end) {
+#pragma unroll
+        for (int i = begin; i < end; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[4 * i + 2 * r + e] = fast_exp2(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled));
+            }
+            l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
+        }
+    };
     auto softmax = [&](int n_block, int row0, auto defer_o) {
         constexpr bool kDeferO = decltype(defer_o)::value;
         const int key0 = n_block * kBlockN;
@@ -398,14 +410,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                     acc_o[4 * i + 2 * r + 1] *= row_correction;
                 }
             }
-#pragma unroll
-            for (int i = 0; i < (kDeferO ? kExpTilesBeforeWait : kNTilesN); ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[4 * i + 2 * r + e] = fast_exp2(fmaf(s[4 * i + 2 * r + e], scale_log2, -max_scaled));
-                }
-                l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
-            }
+            exponentiate(r, max_scaled, 0, kDeferO ? kExpTilesBeforeWait : kNTilesN);
         }
         if constexpr (!kDeferO) pack_p();
     };
@@ -414,14 +419,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     auto rescale_o_pack_p = [&] {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-#pragma unroll
-            for (int i = kExpTilesBeforeWait; i < kNTilesN; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[4 * i + 2 * r + e] = fast_exp2(fmaf(s[4 * i + 2 * r + e], scale_log2, -row_max_scaled[r]));
-                }
-                l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
-            }
+            exponentiate(r, row_max_scaled[r], kExpTilesBeforeWait, kNTilesN);
 #pragma unroll
             for (int i = 0; i < kNTilesD; ++i) {
                 acc_o[4 * i + 2 * r] *= correction[r];
