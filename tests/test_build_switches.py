@@ -92,3 +92,14 @@ def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_
     assert device_ptx("flash_fwd_hdim128_bf16.cu", []) == half, "FLASH_FWD_EXP_SPLIT's default is not 50"
     hd64 = [device_ptx("flash_fwd_hdim64_bf16.cu", [f"FLASH_FWD_EXP_SPLIT={pct}"]) for pct in (50, 100)]
     assert hd64[0] == hd64[1]
+
+
+def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
+    """FLASH_FWD_RESCALE_THRESHOLD: at 8, every Hopper forward kernel votes across the warp (`vote.sync.any`) on
+    whether some row moved its max, once per softmax; at 0 (the default) none votes and O is rescaled every turn."""
+    for source in ("flash_fwd_hdim64_bf16.cu", "flash_fwd_hdim128_bf16.cu"):
+        off, lazy = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8))
+        kernels = [e for e in lazy.split(".visible .entry ")[1:] if "flash_fwd_hopper_kernel" in e.split("(")[0]]
+        assert kernels and all("vote.sync.any.pred" in e for e in kernels), source
+        assert "vote.sync" not in off, source
+        assert device_ptx(source, []) == off, "FLASH_FWD_RESCALE_THRESHOLD's default is not 0"

@@ -292,6 +292,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     int local_len_k = 0, local_co = 0;
     float correction[2];
     float row_max_scaled[2];  // defer_o: each row's m_i * scale_log2, for the exponentials after the wait
+    // kRescaleThreshold > 0: whether the warp's last softmax moved some row's m_i, so that O needs its rescale.
+    constexpr bool kLazyRescale = Traits::kRescaleThreshold > 0;
+    bool rescale_o = true;
     // defer_o: S_j's n8 tiles [0, kExpTilesBeforeWait) are exponentiated before the wait for P_{j-1} V_{j-1}, the
     // rest by rescale_o_pack_p after it (hopper_kernel_traits.h, FLASH_FWD_EXP_SPLIT).
     constexpr int kExpTilesBeforeWait = Traits::kExpTilesBeforeWait;
@@ -331,8 +334,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             l_i[r] += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
         }
     };
+    // O's rows times their correction factors (row r = 0: my_row, 1: my_row + 8).
+    auto scale_o = [&](int r, float factor) {
+#pragma unroll
+        for (int i = 0; i < kNTilesD; ++i) {
+            acc_o[4 * i + 2 * r] *= factor;
+            acc_o[4 * i + 2 * r + 1] *= factor;
+        }
+    };
     auto softmax = [&](int n_block, int row0, auto defer_o) {
         constexpr bool kDeferO = decltype(defer_o)::value;
+        bool moved[2] = {true, true};  // kLazyRescale: whether row r's m_i moved
         const int key0 = n_block * kBlockN;
         if constexpr (kVarlenOrLocal) {
             // Row r sees keys [key_lo, key_hi) (hopper_seqlen.h); a block wholly inside every row's range is not masked.
@@ -396,37 +408,50 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 mx = fmaxf(mx, part[0]);
             }
             mx = quad_max(mx);
+            if constexpr (kLazyRescale) {
+                // m_i moves only when the row max passes it by more than kRescaleThreshold powers of two (from -inf:
+                // +inf, it moves; -inf to -inf: NaN, it stays), so the stale max keeps P below 2^kRescaleThreshold.
+                moved[r] = mx * scale_log2 - m_i[r] * scale_log2 > static_cast<float>(Traits::kRescaleThreshold);
+                if (!moved[r]) mx = m_i[r];
+            }
             const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-            const float row_correction = fast_exp2(m_i[r] * scale_log2 - max_scaled);
+            const float row_correction = moved[r] ? fast_exp2(m_i[r] * scale_log2 - max_scaled) : 1.f;
             row_max_scaled[r] = max_scaled;
             m_i[r] = mx;
             l_i[r] *= row_correction;
-            if constexpr (kDeferO) {
+            if constexpr (kDeferO || kLazyRescale) {
                 correction[r] = row_correction;
             } else {
-#pragma unroll
-                for (int i = 0; i < kNTilesD; ++i) {
-                    acc_o[4 * i + 2 * r] *= row_correction;
-                    acc_o[4 * i + 2 * r + 1] *= row_correction;
-                }
+                scale_o(r, row_correction);
             }
             exponentiate(r, max_scaled, 0, kDeferO ? kExpTilesBeforeWait : kNTilesN);
+        }
+        if constexpr (kLazyRescale) rescale_o = __any_sync(0xffffffffu, moved[0] || moved[1]);
+        if constexpr (kLazyRescale && !kDeferO) {
+            if (rescale_o) {
+                scale_o(0, correction[0]);
+                scale_o(1, correction[1]);
+            }
         }
         if constexpr (!kDeferO) pack_p();
     };
     // The rest of a deferred softmax, once this warpgroup's P_{j-1} V_{j-1} completed: the exponentials of S_j's last
-    // tiles and their l_i, O's rescale, P_j's packing (one basic block, which ptxas interleaves).
-    auto rescale_o_pack_p = [&] {
+    // tiles and their l_i, O's rescale, P_j's packing (one basic block, which ptxas interleaves). kLazyRescale: two
+    // such blocks, with and without the rescale, chosen by the warp's vote.
+    auto finish_softmax = [&](auto with_rescale) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             exponentiate(r, row_max_scaled[r], kExpTilesBeforeWait, kNTilesN);
-#pragma unroll
-            for (int i = 0; i < kNTilesD; ++i) {
-                acc_o[4 * i + 2 * r] *= correction[r];
-                acc_o[4 * i + 2 * r + 1] *= correction[r];
-            }
+            if constexpr (decltype(with_rescale)::value) scale_o(r, correction[r]);
         }
         pack_p();
+    };
+    auto rescale_o_pack_p = [&] {
+        if (!kLazyRescale || rescale_o) {
+            finish_softmax(std::true_type{});
+        } else {
+            finish_softmax(std::false_type{});
+        }
     };
     // A K, V or Q stage is free for the producer once this thread's (warp's) wgmmas that read it completed.
     auto release = [&](uint32_t empty) {

@@ -32,6 +32,18 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 constexpr int kFwdExpSplitPct = FLASH_FWD_EXP_SPLIT;
 static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPLIT is a percentage");
 
+// FLASH_FWD_RESCALE_THRESHOLD (powers of two, 0 = off; docs/kernel_design.md, "Build switches"): the online softmax
+// keeps a row's running max m_i until the row max of S passes it by more than this many powers of two, the rescale
+// threshold of FlashAttention-4's Blackwell forward. P's entries then stay below 2^threshold (exact in bf16 and fp16:
+// the rounding is relative), and O's rescale runs only on turns where some row of the warp moved its max, behind a
+// warp-uniform branch. Timed, it runs 1.03-1.04 x at hd64 non-causal and 0.94-1.02 x elsewhere: off.
+#ifndef FLASH_FWD_RESCALE_THRESHOLD
+#define FLASH_FWD_RESCALE_THRESHOLD 0
+#endif
+constexpr int kFwdRescaleThreshold = FLASH_FWD_RESCALE_THRESHOLD;
+static_assert(kFwdRescaleThreshold >= 0 && kFwdRescaleThreshold <= 14,
+              "FLASH_FWD_RESCALE_THRESHOLD: 0 (off) to 14 powers of two (P below fp16's largest finite 65504)");
+
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
 // zeros, Q K^T skips the k16 steps past kQKDim, and O's extra columns (zeros) are not stored.
@@ -70,6 +82,7 @@ struct HopperFwdTraits {
     // kRowMaxChains independent fmaxf chains combined at the end instead of one chain through every column.
     static constexpr bool kArrivePerWarp = kIntraWgOverlap;
     static constexpr int kRowMaxChains = kIntraWgOverlap ? 4 : 1;
+    static constexpr int kRescaleThreshold = kFwdRescaleThreshold;  // powers of two; 0: every turn rescales O
     static constexpr int kEmptyArrivals = kArrivePerWarp ? kNConsumerThreads / kWarpSize : kNConsumerThreads;
     // setmaxnreg moves registers between the block's warpgroups, from the launch bound's even split (kEntryRegs per
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
