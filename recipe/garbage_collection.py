@@ -3,12 +3,12 @@
 A collection of the oldest generation walks every object the process holds: the model's modules and
 parameters, Lightning's trainer, Hydra's config, the data pipeline. It runs whenever enough objects have been
 allocated, in the middle of a forward or backward, and the host issues no kernel until it ends. On one GPU the
-host is usually far enough ahead that the GPU never sees it; where the host synchronizes with the GPU (as
-Lightning's SIGTERM check did before every micro-batch on several ranks, recipe/preemption.py), the GPU waits for
-the whole pause, and the other ranks wait at the next collective. GPT3-1.3B under FSDP2 on two H200s, 8
-micro-batches of 2 × 8k per step, when Lightning synchronized before every micro-batch: 130 ms per step in
-collections, the longest 503 ms, and the pipeline at 0.946 of one GPU's tokens/s; with GarbageCollection's freeze
-3.9 ms per step, the longest 1 ms, and 0.999 (docs/results.md section 16).
+host is usually far enough ahead that the GPU never sees it; where the host synchronizes with the GPU (a flag
+read back before every micro-batch, say), the GPU waits for the whole pause, and the other ranks wait at the next
+collective. GPT3-1.3B under FSDP2 on two H200s, 8 micro-batches of 2 × 8k per step, with the host synchronizing
+before every micro-batch: 130 ms per step in collections, the longest 503 ms, and the pipeline at 0.946 of one
+GPU's tokens/s; with GarbageCollection's freeze 3.9 ms per step, the longest 1 ms, and 0.999 (docs/results.md
+section 16).
 
 `GarbageCollection` (callbacks.gc in conf/callbacks/default.yaml) moves everything that exists when training
 starts into the permanent generation (gc.freeze), so that later collections walk only what the run allocates

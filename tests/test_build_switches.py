@@ -69,10 +69,15 @@ def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, held
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
 
 
+def _kernels(ptx: str, *name_parts: str) -> list[str]:
+    """The PTX of each kernel whose name contains every one of `name_parts`."""
+    return [e for e in ptx.split(".visible .entry ")[1:] if all(n in e.split("(")[0] for n in name_parts)]
+
+
 def _exponentials_after_a_wait(ptx: str, *name_parts: str) -> list[int]:
     """For each `wgmma.wait_group 0` in the kernel whose name contains every one of `name_parts`, how many ex2
     instructions follow it before the next barrier, wgmma or wgmma wait."""
-    kernel = next(e for e in ptx.split(".visible .entry ")[1:] if all(n in e.split("(")[0] for n in name_parts))
+    kernel = _kernels(ptx, *name_parts)[0]
     counts = []
     for chunk in kernel.split("wgmma.wait_group.sync.aligned 0;")[1:]:
         ends = [i for i in (chunk.find(m) for m in ("bar.sync", "wgmma.mma_async", "wgmma.wait_group")) if i >= 0]
@@ -99,7 +104,7 @@ def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
     whether some row moved its max, once per softmax; at 0 (the default) none votes and O is rescaled every turn."""
     for source in ("flash_fwd_hdim64_bf16.cu", "flash_fwd_hdim128_bf16.cu"):
         off, lazy = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8))
-        kernels = [e for e in lazy.split(".visible .entry ")[1:] if "flash_fwd_hopper_kernel" in e.split("(")[0]]
+        kernels = _kernels(lazy, "flash_fwd_hopper_kernel")
         assert kernels and all("vote.sync.any.pred" in e for e in kernels), source
         assert "vote.sync" not in off, source
         assert device_ptx(source, []) == off, "FLASH_FWD_RESCALE_THRESHOLD's default is not 0"
