@@ -101,10 +101,15 @@ def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_
 
 def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
     """FLASH_FWD_RESCALE_THRESHOLD: at 8, every Hopper forward kernel votes across the warp (`vote.sync.any`) on
-    whether some row moved its max, once per softmax; at 0 (the default) none votes and O is rescaled every turn."""
+    whether some row moved its max, once per softmax; at 0 none votes and O is rescaled every turn. By default
+    (-1) hd64's kernels without a causal mask or a window vote, and no other kernel does."""
+    unmasked = "EEELb0ELb0EEEv"  # the kernel's template tail: neither causal nor varlen / local
     for source in ("flash_fwd_hdim64_bf16.cu", "flash_fwd_hdim128_bf16.cu"):
-        off, lazy = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8))
+        off, lazy, default = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8, -1))
         kernels = _kernels(lazy, "flash_fwd_hopper_kernel")
         assert kernels and all("vote.sync.any.pred" in e for e in kernels), source
         assert "vote.sync" not in off, source
-        assert device_ptx(source, []) == off, "FLASH_FWD_RESCALE_THRESHOLD's default is not 0"
+        for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
+            name = kernel.split("(")[0]
+            assert ("vote.sync" in kernel) == ("hdim64" in source and unmasked in name), name
+        assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_THRESHOLD's default is not -1"

@@ -292,8 +292,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     int local_len_k = 0, local_co = 0;
     float correction[2];
     float row_max_scaled[2];  // defer_o: each row's m_i * scale_log2, for the exponentials after the wait
-    // kRescaleThreshold > 0: whether the warp's last softmax moved some row's m_i, so that O needs its rescale.
-    constexpr bool kLazyRescale = Traits::kRescaleThreshold > 0;
+    // kRescaleThreshold > 0 (hopper_kernel_traits.h, FLASH_FWD_RESCALE_THRESHOLD): whether the warp's last softmax
+    // moved some row's m_i, so that O needs its rescale.
+    constexpr int kRescaleThreshold = fwd_rescale_threshold(Traits::kHeadDim, kIsCausal || kVarlenOrLocal);
+    constexpr bool kLazyRescale = kRescaleThreshold > 0;
     bool rescale_o = true;
     // defer_o: S_j's n8 tiles [0, kExpTilesBeforeWait) are exponentiated before the wait for P_{j-1} V_{j-1}, the
     // rest by rescale_o_pack_p after it (hopper_kernel_traits.h, FLASH_FWD_EXP_SPLIT).
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             if constexpr (kLazyRescale) {
                 // m_i moves only when the row max passes it by more than kRescaleThreshold powers of two (from -inf:
                 // +inf, it moves; -inf to -inf: NaN, it stays), so the stale max keeps P below 2^kRescaleThreshold.
-                moved[r] = mx * scale_log2 - m_i[r] * scale_log2 > static_cast<float>(Traits::kRescaleThreshold);
+                moved[r] = mx * scale_log2 - m_i[r] * scale_log2 > static_cast<float>(kRescaleThreshold);
                 if (!moved[r]) mx = m_i[r];
             }
             const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;

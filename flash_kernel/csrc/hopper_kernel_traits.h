@@ -32,17 +32,26 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 constexpr int kFwdExpSplitPct = FLASH_FWD_EXP_SPLIT;
 static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPLIT is a percentage");
 
-// FLASH_FWD_RESCALE_THRESHOLD (powers of two, 0 = off; docs/kernel_design.md, "Build switches"): the online softmax
-// keeps a row's running max m_i until the row max of S passes it by more than this many powers of two, the rescale
-// threshold of FlashAttention-4's Blackwell forward. P's entries then stay below 2^threshold (exact in bf16 and fp16:
-// the rounding is relative), and O's rescale runs only on turns where some row of the warp moved its max, behind a
-// warp-uniform branch. Timed, it runs 1.03-1.04 x at hd64 non-causal and 0.94-1.02 x elsewhere: off.
+// FLASH_FWD_RESCALE_THRESHOLD (powers of two; docs/kernel_design.md, "Build switches"): the online softmax keeps a
+// row's running max m_i until the row max of S passes it by more than this many powers of two, the rescale threshold
+// of FlashAttention-4's Blackwell forward. P's entries then stay below 2^threshold (exact in bf16 and fp16: the
+// rounding is relative), and O's rescale runs only on turns where some row of the warp moved its max, behind a
+// warp-uniform branch. 0: off; N: N in every Hopper forward kernel; -1 (the default): kAutoRescaleThreshold where it
+// is timed faster, the dense non-causal kernels of head dims up to 64 (1.02-1.04 x), and off elsewhere (0.94-1.02 x;
+// the varlen / local kernel, untimed, off).
 #ifndef FLASH_FWD_RESCALE_THRESHOLD
-#define FLASH_FWD_RESCALE_THRESHOLD 0
+#define FLASH_FWD_RESCALE_THRESHOLD -1
 #endif
 constexpr int kFwdRescaleThreshold = FLASH_FWD_RESCALE_THRESHOLD;
-static_assert(kFwdRescaleThreshold >= 0 && kFwdRescaleThreshold <= 14,
-              "FLASH_FWD_RESCALE_THRESHOLD: 0 (off) to 14 powers of two (P below fp16's largest finite 65504)");
+constexpr int kAutoRescaleThreshold = 8;
+static_assert(kFwdRescaleThreshold >= -1 && kFwdRescaleThreshold <= 14,
+              "FLASH_FWD_RESCALE_THRESHOLD: -1 (by tile), 0 (off) or 1 to 14 powers of two (P below fp16's 65504)");
+
+// The rescale threshold of a forward kernel with head-dim tile head_dim; masked: causal, or the varlen / local kernel.
+constexpr int fwd_rescale_threshold(int head_dim, bool masked) {
+    if (kFwdRescaleThreshold >= 0) return kFwdRescaleThreshold;
+    return head_dim <= 64 && !masked ? kAutoRescaleThreshold : 0;
+}
 
 // kHeadDim is the tile width (whole 64-column blocks); kQKDim <= kHeadDim is the instantiated head dim
 // (d_rounded) that Q K^T sums over. Head dims 65-96 run the 128-wide tiles: TMA fills the columns past d with
@@ -82,7 +91,6 @@ struct HopperFwdTraits {
     // kRowMaxChains independent fmaxf chains combined at the end instead of one chain through every column.
     static constexpr bool kArrivePerWarp = kIntraWgOverlap;
     static constexpr int kRowMaxChains = kIntraWgOverlap ? 4 : 1;
-    static constexpr int kRescaleThreshold = kFwdRescaleThreshold;  // powers of two; 0: every turn rescales O
     static constexpr int kEmptyArrivals = kArrivePerWarp ? kNConsumerThreads / kWarpSize : kNConsumerThreads;
     // setmaxnreg moves registers between the block's warpgroups, from the launch bound's even split (kEntryRegs per
     // thread: 168 for 384 threads, 128 for 512): the producer keeps 24 (its loop spills 4-12 bytes) and the consumers
