@@ -102,7 +102,7 @@ def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_
 def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
     """FLASH_FWD_RESCALE_THRESHOLD: at 8, every Hopper forward kernel votes across the warp (`vote.sync.any`) on
     whether some row moved its max, once per softmax; at 0 none votes and O is rescaled every turn. By default
-    (-1) hd64's kernels without a causal mask or a window vote, and no other kernel does."""
+    (-1) hd64's dense non-causal kernels vote (neither causal nor varlen / local), and no other kernel does."""
     unmasked = "EEELb0ELb0EEEv"  # the kernel's template tail: neither causal nor varlen / local
     for source in ("flash_fwd_hdim64_bf16.cu", "flash_fwd_hdim128_bf16.cu"):
         off, lazy, default = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8, -1))

@@ -45,7 +45,7 @@ static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPL
 constexpr int kFwdRescaleThreshold = FLASH_FWD_RESCALE_THRESHOLD;
 constexpr int kAutoRescaleThreshold = 8;
 static_assert(kFwdRescaleThreshold >= -1 && kFwdRescaleThreshold <= 14,
-              "FLASH_FWD_RESCALE_THRESHOLD: -1 (by tile), 0 (off) or 1 to 14 powers of two (P below fp16's 65504)");
+              "FLASH_FWD_RESCALE_THRESHOLD: -1 (by kernel), 0 (off) or 1 to 14 powers of two (P below fp16's 65504)");
 
 // The rescale threshold of a forward kernel with head-dim tile head_dim; masked: causal, or the varlen / local kernel.
 constexpr int fwd_rescale_threshold(int head_dim, bool masked) {
