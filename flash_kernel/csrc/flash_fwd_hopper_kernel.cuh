@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         pack_p();
     };
     auto rescale_o_pack_p = [&] {
-        if (!kLazyRescale || rescale_o) {
+        if (rescale_o) {  // always, without kLazyRescale
             finish_softmax(std::true_type{});
         } else {
             finish_softmax(std::false_type{});
