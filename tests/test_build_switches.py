@@ -69,9 +69,17 @@ def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, held
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
 
 
+UNMASKED = "EEELb0ELb0EEEv"  # a forward kernel's mangled template tail: neither causal nor varlen / local
+
+
+def _name(kernel: str) -> str:
+    """A kernel's mangled name, from its PTX (what precedes its parameter list)."""
+    return kernel.split("(")[0]
+
+
 def _kernels(ptx: str, *name_parts: str) -> list[str]:
     """The PTX of each kernel whose name contains every one of `name_parts`."""
-    return [e for e in ptx.split(".visible .entry ")[1:] if all(n in e.split("(")[0] for n in name_parts)]
+    return [e for e in ptx.split(".visible .entry ")[1:] if all(n in _name(e) for n in name_parts)]
 
 
 def _exponentials_after_a_wait(ptx: str, *name_parts: str) -> list[int]:
@@ -90,7 +98,7 @@ def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_
     S_j's 24 n8 tiles x 2 columns = 48 elements after the wait for its own P V at 50%, none at 100 (the first turn,
     which waits for S_0 alone, exponentiates all 96 after its wait either way); hd64's three warpgroups keep all
     before it at any setting."""
-    tile = ("HopperFwdTraitsILi128ELi192ELi2E", "EEELb0ELb0EEEv")  # the 192-key tile; neither causal nor varlen
+    tile = ("HopperFwdTraitsILi128ELi192ELi2E", UNMASKED)  # the 192-key tile
     half, whole = (device_ptx("flash_fwd_hdim128_bf16.cu", [f"FLASH_FWD_EXP_SPLIT={pct}"]) for pct in (50, 100))
     assert 48 in _exponentials_after_a_wait(half, *tile) and 96 + 2 in _exponentials_after_a_wait(half, *tile)
     assert max(_exponentials_after_a_wait(whole, *tile)[1:]) == 0
@@ -103,13 +111,11 @@ def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
     """FLASH_FWD_RESCALE_THRESHOLD: at 8, every Hopper forward kernel votes across the warp (`vote.sync.any`) on
     whether some row moved its max, once per softmax; at 0 none votes and O is rescaled every turn. By default
     (-1) hd64's dense non-causal kernels vote (neither causal nor varlen / local), and no other kernel does."""
-    unmasked = "EEELb0ELb0EEEv"  # the kernel's template tail: neither causal nor varlen / local
     for source in ("flash_fwd_hdim64_bf16.cu", "flash_fwd_hdim128_bf16.cu"):
         off, lazy, default = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8, -1))
         kernels = _kernels(lazy, "flash_fwd_hopper_kernel")
         assert kernels and all("vote.sync.any.pred" in e for e in kernels), source
         assert "vote.sync" not in off, source
         for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
-            name = kernel.split("(")[0]
-            assert ("vote.sync" in kernel) == ("hdim64" in source and unmasked in name), name
+            assert ("vote.sync" in kernel) == ("hdim64" in source and UNMASKED in _name(kernel)), _name(kernel)
         assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_THRESHOLD's default is not -1"
