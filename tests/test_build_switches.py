@@ -55,8 +55,10 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", ["FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", []),
     ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", []),
-    # a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set
-    ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;"), []),
+    # a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set;
+    # under FLASH_WGMMA_DESC_PAIR its high word, 0x80000020 (layout type 2, the 512-byte atom as stride)
+    ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1,
+     re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;|mov\.u32\s+%r\d+, -2147483616;"), []),
 ]
 
 
@@ -119,3 +121,20 @@ def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
         for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
             assert ("vote.sync" in kernel) == ("hdim64" in source and UNMASKED in _name(kernel)), _name(kernel)
         assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_THRESHOLD's default is not -1"
+
+
+DESC_PAIR = re.compile(r"mov\.b64 %rd\d+, \{%r\d+, %r\d+\};")
+SW128_DESC = "4611686293305294848"  # 0x4000004000000000: layout type 1 (128-byte swizzle), a 1024-byte stride
+
+
+@pytest.mark.parametrize("source", ["flash_fwd_hdim128_bf16.cu", "flash_bwd_hdim128_bf16.cu"])
+def test_the_descriptor_pair_switch_builds_each_descriptor_from_two_words(source, device_ptx):
+    """FLASH_WGMMA_DESC_PAIR: at 1 every Hopper kernel builds its wgmma descriptors by `mov.b64 {lo, hi}` (the
+    128-byte-swizzle ones with the high word 0x40000040), so no 64-bit descriptor constant is left for NVVM to fold
+    into the advances; at 0, the default, none is built that way and the constant is ORed in."""
+    off, on = (device_ptx(source, [f"FLASH_WGMMA_DESC_PAIR={v}"]) for v in (0, 1))
+    assert not DESC_PAIR.search(off) and SW128_DESC in off
+    kernels = _kernels(on, "_hopper_kernel")
+    assert kernels and all(DESC_PAIR.search(e) and re.search(r"mov\.u32\s+%r\d+, 1073741888;", e) for e in kernels)
+    assert SW128_DESC not in on
+    assert device_ptx(source, []) == off, "FLASH_WGMMA_DESC_PAIR's default is not 0"

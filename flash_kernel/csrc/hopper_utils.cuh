@@ -48,21 +48,43 @@ constexpr int kSwizzleBlockElems = SwizzleSpan<128>::kBlockElems;  // 64 element
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride
 // byte offsets (all >> 4, 14 bits each), base offset 0 (tiles are 1024-aligned), layout type 1 = 128B swizzle,
 // 2 = 64B swizzle.
+//
+// FLASH_WGMMA_DESC_PAIR (off by default; not yet run on a GPU): the descriptor is built from its two 32-bit words by
+// `mov.b64 {lo, hi}`, which NVVM cannot see into, and desc_advance is a 64-bit add. Where NVVM sees the constant
+// high word, it turns every advance into a 32-bit add and masks, and ptxas then moves the high word into place
+// beside every wgmma again: 4-5 uniform-datapath instructions per wgmma. As a pair, ptxas advances each operand's
+// descriptor by one UIADD3.64, the form of FA4's code. Counted statically (sm_90a, bench/sass_mix.py), the
+// backward's main loop issues 5-9% fewer instructions, the forward's 0.9-2.2% fewer; the same spills.
+#ifndef FLASH_WGMMA_DESC_PAIR
+#define FLASH_WGMMA_DESC_PAIR 0
+#endif
 template <int kSpanBytes>
 __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+#if FLASH_WGMMA_DESC_PAIR
+    const uint32_t lo = ((smem_byte_addr & 0x3FFFF) >> 4) | ((lbo_bytes >> 4) << 16);          // bits 0-13, 16-29
+    const uint32_t hi = (sbo_bytes >> 4) | static_cast<uint32_t>(SwizzleSpan<kSpanBytes>::kDescLayout << 30);
+    uint64_t desc;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
+    return desc;
+#else
     return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
            (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (SwizzleSpan<kSpanBytes>::kDescLayout << 62);
+#endif
 }
 __device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo_bytes,
                                                         uint32_t sbo_bytes) {
     return make_smem_desc<128>(smem_byte_addr, lbo_bytes, sbo_bytes);
 }
 // A descriptor moved by a byte offset inside the same 256 KB window: only the 14-bit address field changes,
-// and it cannot carry (shared memory is < 256 KB). A 32-bit add on the low word: the 64-bit add cost three
-// instructions per wgmma, on the path that issues a turn's wgmmas.
+// and it cannot carry (shared memory is < 256 KB). A 32-bit add on the low word, or (FLASH_WGMMA_DESC_PAIR) a 64-bit
+// add, the same value: the low word's fields end at bit 29.
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+#if FLASH_WGMMA_DESC_PAIR
+    return desc + (bytes >> 4);
+#else
     const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
     return (desc & 0xFFFFFFFF00000000ull) | lo;
+#endif
 }
 
 // wgmma.fence: orders this warpgroup's earlier register writes (accumulators rescaled, P packed) before the
