@@ -140,17 +140,3 @@ def test_the_descriptor_pair_switch_builds_each_descriptor_from_two_words(source
     assert SW128_DESC not in on
     assert device_ptx(source, []) == off, "FLASH_WGMMA_DESC_PAIR's default is not 0"
 
-
-LOG2E, NEG_LOG2E = "0f3FB8AA3B", "0fBFB8AA3B"  # log2(e) and -log2(e) as PTX fp32 immediates
-
-
-@pytest.mark.parametrize("source, products", [("flash_bwd_hdim128_bf16.cu", 16), ("flash_bwd_hdim64_bf16.cu", 32)])
-def test_the_lse_log2_switch_scales_each_row_once(source, products, device_ptx):
-    """FLASH_BWD_LSE_LOG2: at 1 no Hopper backward kernel multiplies L_i by -log2(e) in its exponents, and each
-    multiplies the loaded rows by log2(e) at three places (the prologue's two stages, one stage per iteration); at 0,
-    the default, the exponents do, once per query column of the thread (16 at kBlockM = 64, 32 at hd64's 128)."""
-    off, on = (device_ptx(source, [f"FLASH_BWD_LSE_LOG2={v}"]) for v in (0, 1))
-    kernels_on, kernels_off = _kernels(on, "flash_bwd_hopper_kernel"), _kernels(off, "flash_bwd_hopper_kernel")
-    assert kernels_on and all(e.count(NEG_LOG2E) == 0 and e.count(LOG2E) == 3 for e in kernels_on)
-    assert kernels_off and all(e.count(NEG_LOG2E) == products and e.count(LOG2E) == 0 for e in kernels_off)
-    assert device_ptx(source, []) == off, "FLASH_BWD_LSE_LOG2's default is not 0"

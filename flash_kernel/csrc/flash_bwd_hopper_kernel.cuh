@@ -222,12 +222,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         issue_over_d(s, desc_k, make_smem_desc_sw128(sQ + stage * Traits::kSmemQBytes, 16, kSwizzleAtomBytes));
     };
 
-    // kLseLog2: this thread's L_i of `stage` (the row its cp.async loaded) times log2(e), in place, once the load has
-    // landed and before the barrier that publishes the stage.
-    auto scale_lse = [&](int stage) {
-        if (tid < kBlockM) sLse[stage * kBlockM + tid] *= kLog2e;
-    };
-
     // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros), and the first two query blocks.
     if (m_block_min < m_block_max) {
         if (loader) {
@@ -240,10 +234,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (m_block_min + 1 < m_block_max) load_q_do(m_block_min + 1, 1);
         mbarrier_wait(full_kv, 0);
         cp_async_wait<0>();
-        if constexpr (Traits::kLseLog2) {
-            scale_lse(0);
-            if (m_block_min + 1 < m_block_max) scale_lse(1);
-        }
         __syncthreads();  // L_i and D_i of both stages visible to every thread
         if constexpr (Traits::kIssueNextSEarly) {
             issue_s(0, 0);
@@ -316,9 +306,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float neg_lse_log2 =
-                    Traits::kLseLog2 ? -query_value(sLse_st, i, e) : -kLog2e * query_value(sLse_st, i, e);
-                s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, neg_lse_log2));
+                s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -kLog2e * query_value(sLse_st, i, e)));
             }
         }
         // P^T as the register A operand of line 13 (the accumulators of query columns 16kk..16kk+15 are k-step
@@ -447,9 +435,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // Close the iteration: sdQ holds dQ_i; every wgmma that read sdS or this stage's Q_i / dO_i completed (so
         // the stage takes block i+2); L_{i+1} and D_{i+1} landed (this thread's cp.asyncs, then everyone's).
         cp_async_wait<0>();
-        if constexpr (Traits::kLseLog2) {
-            if (iter > 0) scale_lse(stage ^ 1);  // L_{i+1}, unless the prologue loaded (and scaled) it
-        }
         __syncthreads();
         if (m_block + kNStages < m_block_max) load_q_do(m_block + kNStages, stage);
         // S^T_{i+1} complete before the loop's back edge: where an accumulator is in flight across it, ptxas

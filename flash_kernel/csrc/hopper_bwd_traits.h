@@ -28,14 +28,6 @@
 #define FLASH_BWD_NARROW_DQ 1
 #endif
 
-// FLASH_BWD_LSE_LOG2 (off; not yet run on a GPU): L_i times log2(e) once per query row, in shared memory by the thread
-// whose cp.async loaded it (before the barrier that publishes the stage), instead of in every thread's exponents: 16
-// FMULs fewer per thread and iteration at kBlockM = 64, 32 at 128, and none between L_i's load and the exponent's
-// FFMA (FA4's preprocess stores L_i log2(e)). The products are the same, so P is bit for bit the default's.
-#ifndef FLASH_BWD_LSE_LOG2
-#define FLASH_BWD_LSE_LOG2 0
-#endif
-
 namespace flash {
 
 // kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded), the floats of a dQ row;
@@ -65,7 +57,6 @@ struct HopperBwdTraits {
     // dK += dS^T Q_i, so that the dQ_i stores into sdQ run while dK is on the tensor cores. Otherwise dV and dK
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
-    static constexpr bool kLseLog2 = FLASH_BWD_LSE_LOG2 != 0;  // sLse holds L_i log2(e)
     static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
     // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N).
     static constexpr int kDqColsLast =
