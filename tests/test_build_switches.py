@@ -14,10 +14,11 @@ import re
 import pytest
 
 SWITCHES = {  # switch -> (an instantiation file whose schedule it changes, its default, other switches held)
-    "FLASH_FWD_INTRA_WG_OVERLAP": ("flash_fwd_hdim128_bf16.cu", 1, []),
+    # the file's 128-key tiles (below 2k keys) take the overlap from the next switch: held off
+    "FLASH_FWD_INTRA_WG_OVERLAP": ("flash_fwd_hdim128_bf16.cu", 1, ["FLASH_FWD_INTRA_WG_OVERLAP_BC128=0"]),
     # hd96's 192-key tile and its three-warpgroup tiles run the overlap whatever this switch says: all held off,
     # the file has only 128-key tiles of two warpgroups
-    "FLASH_FWD_INTRA_WG_OVERLAP_BC128": ("flash_fwd_hdim96_bf16.cu", 0,
+    "FLASH_FWD_INTRA_WG_OVERLAP_BC128": ("flash_fwd_hdim96_bf16.cu", 1,
                                          ["FLASH_FWD_HD96_BC192=0", "FLASH_FWD_HD96_P_SMEM=0",
                                           "FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     "FLASH_FWD_INTRA_WG_OVERLAP_HD64": ("flash_fwd_hdim64_bf16.cu", 1, []),

@@ -153,7 +153,7 @@ struct HopperFwdTraits {
 // HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, consumer warpgroups, intra-warpgroup overlap>:
 // The intra-warpgroup overlap, one build switch per tile (docs/kernel_design.md, "Build switches"):
 //   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
-//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (off): the 128-key blocks of two warpgroups (hd65-80, hd128 below 2k keys);
+//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (on): the 128-key blocks of two warpgroups (hd65-80, hd128 below 2k keys);
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (on): hd64's three warpgroups.
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
@@ -164,8 +164,7 @@ struct HopperFwdTraits {
 // blocks. The columns skipped are zeros past d (TMA fills them), so every sum is the same.
 // FLASH_FWD_HD96_BC192 (on): head dims 65-80 (65-96 without FLASH_FWD_HD96_P_SMEM) from 2k keys on hd128's long
 // tile (192-key blocks, 2 stages, the intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key,
-// each turn's fixed work (barriers, row max and sum, O's rescale) spread over more keys, and the softmax of S_j under
-// the warpgroup's own P V.
+// each turn's fixed work (barriers, row max and sum, O's rescale) spread over more keys.
 // FLASH_FWD_HD96_P_SMEM (on): head dims 81-96 at every length on FA4's sm90 tile there: three consumer warpgroups
 // (192 query rows) x 128-key blocks on 2 stages, P through shared memory (kPSmem) and the intra-warpgroup overlap,
 // 181 KB (224 KB in SW128). Three warpgroups with P in registers cannot hold the overlap in 160 registers, and
@@ -182,7 +181,7 @@ struct HopperFwdTraits {
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP_BC128
-#define FLASH_FWD_INTRA_WG_OVERLAP_BC128 0
+#define FLASH_FWD_INTRA_WG_OVERLAP_BC128 1
 #endif
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP_HD64
 #define FLASH_FWD_INTRA_WG_OVERLAP_HD64 1
