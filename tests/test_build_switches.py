@@ -140,4 +140,3 @@ def test_the_descriptor_pair_switch_builds_each_descriptor_from_two_words(source
     assert kernels and all(DESC_PAIR.search(e) and SW128_DESC_HI.search(e) for e in kernels)
     assert SW128_DESC not in on
     assert device_ptx(source, []) == off, "FLASH_WGMMA_DESC_PAIR's default is not 0"
-
