@@ -79,7 +79,8 @@ cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t strea
                                            kVarlenOrLocal>(params, stream);
         }
     }
-    return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, Config::kLongKeys, kIsCausal,
+    constexpr int kLongKeys = kIsCausal || kVarlenOrLocal ? Config::kLongKeys : LongKeysNonCausalOf<Config>::value;
+    return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, kLongKeys, kIsCausal,
                                    kVarlenOrLocal>(params, stream);
 }
 

@@ -146,10 +146,10 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below. Wider key blocks (192 at hd65-80, hd128) cut the
-// turns per key by a third, and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale),
-// which pays from 2k keys up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with
-// them, and they are slower.
+// A config runs Traits from kLongKeys keys up and ShortTraits below (dense non-causal calls: from its
+// kLongKeysNonCausal where it names one). Wider key blocks (192 at hd65-80, hd128) cut the turns per key by a third,
+// and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale), which pays from 2k keys up.
+// Below, where a tile has few key blocks, the causal diagonal's masked block grows with them, and they are slower.
 // HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, consumer warpgroups, intra-warpgroup overlap>:
 // The intra-warpgroup overlap, one build switch per tile (docs/kernel_design.md, "Build switches"):
 //   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
@@ -204,6 +204,13 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD80_CAUSAL_3WG
 #define FLASH_FWD_HD80_CAUSAL_3WG 1
 #endif
+// FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS (1536): where hd128's dense non-causal forward takes the 192-key blocks (causal,
+// varlen and windowed calls: from kLongKeys, 2048). Without a masked diagonal block they pay from fewer keys: at 1536
+// keys (eight whole blocks) 1.05 x the 128-key blocks, at 1280 and 2048 even, at 1792 (a partial last block) 0.98-0.99
+// x, at 1024 slower (docs/results.md, section 38).
+#ifndef FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS
+#define FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS 1536
+#endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
 constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
@@ -233,6 +240,14 @@ struct CausalNarrowOf { using type = typename Config::NarrowTraits; };
 template <typename Config>
 struct CausalNarrowOf<Config, std::void_t<typename Config::CausalNarrowTraits>> {
     using type = typename Config::CausalNarrowTraits;
+};
+// Where a Hopper config's dense non-causal calls switch from ShortTraits to Traits: its kLongKeysNonCausal where
+// it names one, else its kLongKeys.
+template <typename Config, typename = void>
+struct LongKeysNonCausalOf { static constexpr int value = Config::kLongKeys; };
+template <typename Config>
+struct LongKeysNonCausalOf<Config, std::void_t<decltype(Config::kLongKeysNonCausal)>> {
+    static constexpr int value = Config::kLongKeysNonCausal;
 };
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
@@ -293,6 +308,7 @@ template <typename E> struct HopperFwdConfig<128, E> {
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
     static constexpr int kLongKeys = 2048;
+    static constexpr int kLongKeysNonCausal = FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS;  // dense non-causal calls
 };
 #endif
 
