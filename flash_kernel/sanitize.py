@@ -223,9 +223,9 @@ def tiny_cases():
         dict(b=2, tq=300, tk=300, h=48, h_k=8, d=128, dtype=torch.float16, causal=False),
         # Head dim 64 non-causal: three warpgroups on 192-row tiles, the last of each head partly past Tq.
         dict(b=2, tq=400, tk=300, h=48, h_k=8, d=64, dtype=torch.bfloat16, causal=False),
-        # From 2048 keys up the hd65-80 and hd128 Hopper forwards run wider key blocks (csrc/hopper_kernel_traits.h)
-        # and the causal backward its longest-first order (csrc/causal_order.h). Few queries keep them quick under
-        # racecheck.
+        # From 2048 keys up the hd65-80 and hd128 Hopper forwards run wider key blocks (non-causal: where their turns
+        # cost less; csrc/hopper_kernel_traits.h) and the causal backward its longest-first order
+        # (csrc/causal_order.h). Few queries keep them quick under racecheck.
         dict(b=1, tq=400, tk=2100, h=2, h_k=1, d=64, dtype=torch.bfloat16, causal=True),
         dict(b=1, tq=300, tk=2100, h=2, h_k=2, d=128, dtype=torch.float16, causal=False),
         # Head dims up to 80 on hd96's 80-column twins (causal from 2048 keys: 192 x 144 on three warpgroups); hd96

@@ -26,19 +26,23 @@ def _nvcc(purpose: str) -> str:
     return str(candidate)
 
 
-@pytest.fixture
-def host_check(tmp_path):
-    """host_check("name_check.cu") -> the program's stdout lines, once it built and exited 0."""
+@pytest.fixture(scope="session")
+def host_check(tmp_path_factory):
+    """host_check("name_check.cu") -> the program's stdout lines, once it built and exited 0 (built and run once per
+    session: its output depends on the sources alone)."""
     nvcc = _nvcc("compiles the host check")
+    outputs: dict[str, list[str]] = {}
 
     def run(source: str) -> list[str]:
-        exe = tmp_path / Path(source).stem
-        build = subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(TESTS / source), "-o", str(exe)],
-                               capture_output=True, text=True)
-        assert build.returncode == 0, build.stderr
-        result = subprocess.run([str(exe)], capture_output=True, text=True)
-        assert result.returncode == 0, result.stdout
-        return result.stdout.splitlines()
+        if source not in outputs:
+            exe = tmp_path_factory.mktemp("host_check") / Path(source).stem
+            build = subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(TESTS / source), "-o", str(exe)],
+                                   capture_output=True, text=True)
+            assert build.returncode == 0, build.stderr
+            result = subprocess.run([str(exe)], capture_output=True, text=True)
+            assert result.returncode == 0, result.stdout
+            outputs[source] = result.stdout.splitlines()
+        return outputs[source]
 
     return run
 

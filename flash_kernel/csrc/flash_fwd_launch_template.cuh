@@ -56,13 +56,14 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     }
 }
 
-// ShortTraits below kLongKeys keys, Traits from there.
+// Traits from kLongKeys keys up and ShortTraits below; in dense non-causal calls the one whose turns cost less
+// (wider_blocks_pay, hopper_kernel_traits.h).
 template <typename Traits, typename ShortTraits, int kLongKeys, bool kIsCausal, bool kVarlenOrLocal>
 cudaError_t launch_fwd_hopper_tiles(const FwdParams& params, cudaStream_t stream) {
     if constexpr (!std::is_same_v<Traits, ShortTraits>) {
-        if (params.seqlen_k < kLongKeys) {
-            return launch_fwd_hopper<ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);
-        }
+        const bool long_tiles = kIsCausal || kVarlenOrLocal ? params.seqlen_k >= kLongKeys
+                                                            : wider_blocks_pay<Traits, ShortTraits>(params.seqlen_k);
+        if (!long_tiles) return launch_fwd_hopper<ShortTraits, kIsCausal, kVarlenOrLocal>(params, stream);
     }
     return launch_fwd_hopper<Traits, kIsCausal, kVarlenOrLocal>(params, stream);
 }
@@ -79,8 +80,7 @@ cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t strea
                                            kVarlenOrLocal>(params, stream);
         }
     }
-    constexpr int kLongKeys = kIsCausal || kVarlenOrLocal ? Config::kLongKeys : LongKeysNonCausalOf<Config>::value;
-    return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, kLongKeys, kIsCausal,
+    return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, Config::kLongKeys, kIsCausal,
                                    kVarlenOrLocal>(params, stream);
 }
 

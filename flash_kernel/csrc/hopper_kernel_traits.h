@@ -146,14 +146,14 @@ struct HopperFwdTraits {
 
 // Which head dims have a Hopper forward. The kernels exist only when the build includes sm_90a
 // (build.py defines FLASH_KERNEL_SM90A); otherwise every head dim runs the sm80 kernels.
-// A config runs Traits from kLongKeys keys up and ShortTraits below (dense non-causal calls: from its
-// kLongKeysNonCausal where it names one). Wider key blocks (192 at hd65-80, hd128) cut the turns per key by a third,
-// and with them each turn's fixed work (barriers, the rows' max and sum, O's rescale), which pays from 2k keys up.
-// Below, where a tile has few key blocks, the causal diagonal's masked block grows with them, and they are slower.
+// A config runs Traits from kLongKeys keys up and ShortTraits below; dense non-causal calls run the one whose turns
+// cost less (wider_blocks_pay). Wider key blocks (192 at hd65-80, hd128) cut the turns per key by a third, and with
+// them each turn's fixed work (barriers, the rows' max and sum, O's rescale), which in causal calls pays from 2k keys
+// up. Below, where a tile has few key blocks, the causal diagonal's masked block grows with them, and they are slower.
 // HopperFwdTraits<head dim, Bc, K/V stages, element, kQKDim, consumer warpgroups, intra-warpgroup overlap>:
 // The intra-warpgroup overlap, one build switch per tile (docs/kernel_design.md, "Build switches"):
-//   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks (2k keys and more), where it is faster;
-//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (on): the 128-key blocks of two warpgroups (hd65-80, hd128 below 2k keys);
+//   FLASH_FWD_INTRA_WG_OVERLAP (on): hd128's 192-key blocks, where it is faster;
+//   FLASH_FWD_INTRA_WG_OVERLAP_BC128 (on): the 128-key blocks of two warpgroups (hd65-80, hd128);
 //   FLASH_FWD_INTRA_WG_OVERLAP_HD64 (on): hd64's three warpgroups.
 // FLASH_FWD_NARROW_PV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) compute O += P V over 96 columns
 // (kVDim, an n96 wgmma reading 1.5 of V's 64-column blocks) instead of 128, a quarter less P V work, and keep O in
@@ -162,9 +162,10 @@ struct HopperFwdTraits {
 // twins of hd96's kernels whose products over the head dim take 80 columns instead of 96: Q K^T (S^T and dP^T in the
 // backward) in 5 k16 steps instead of 6, O += P V (dV, dK) as n80 wgmmas reading 1.25 of the operand's 64-column
 // blocks. The columns skipped are zeros past d (TMA fills them), so every sum is the same.
-// FLASH_FWD_HD96_BC192 (on): head dims 65-80 (65-96 without FLASH_FWD_HD96_P_SMEM) from 2k keys on hd128's long
-// tile (192-key blocks, 2 stages, the intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key,
-// each turn's fixed work (barriers, row max and sum, O's rescale) spread over more keys.
+// FLASH_FWD_HD96_BC192 (on): head dims 65-80 (65-96 without FLASH_FWD_HD96_P_SMEM) from 2k keys (dense non-causal
+// calls: where their turns cost less, FLASH_FWD_TURN_KEYS) on hd128's long tile (192-key blocks, 2 stages, the
+// intra-warpgroup overlap) instead of 128-key blocks: a third fewer turns per key, each turn's fixed work (barriers,
+// row max and sum, O's rescale) spread over more keys.
 // FLASH_FWD_HD96_P_SMEM (on): head dims 81-96 at every length on FA4's sm90 tile there: three consumer warpgroups
 // (192 query rows) x 128-key blocks on 2 stages, P through shared memory (kPSmem) and the intra-warpgroup overlap,
 // 181 KB (224 KB in SW128). Three warpgroups with P in registers cannot hold the overlap in 160 registers, and
@@ -204,12 +205,16 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD80_CAUSAL_3WG
 #define FLASH_FWD_HD80_CAUSAL_3WG 1
 #endif
-// FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS (1536): where hd128's dense non-causal forward takes the 192-key blocks (causal,
-// varlen and windowed calls: from kLongKeys, 2048). Without a masked diagonal block they pay from fewer keys: at 1536
-// keys (eight whole blocks) 1.05 x the 128-key blocks, at 1280 and 2048 even, at 1792 (a partial last block) 0.98-0.99
-// x, at 1024 slower (docs/results.md, section 38).
-#ifndef FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS
-#define FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS 1536
+// FLASH_FWD_TURN_KEYS (24): which of a config's two tiles its dense non-causal calls run over T keys (causal, varlen
+// and windowed calls: the wider key blocks from kLongKeys, 2048). A turn costs its block's keys plus a fixed part,
+// about 24 keys' worth (barriers, the rows' max and sum, O's rescale), and a partial last block costs as much as a
+// whole one, so the 192-key blocks run where ceil(T / 192) (192 + 24) < ceil(T / 128) (128 + 24)
+// (bench/turn_model.py): of the multiples of 128 keys, all but 128, 256, 512, 640, 896, 1024, 1408, 1792 and 2176,
+// and every length above 2176. At hd128 and hd80 this picks the faster tile, or one within 1.5% of it, at each of the
+// 41 lengths timed from 512 to 8192 keys (docs/results.md, sections 38 and 39). A large value runs the wider blocks
+// wherever they take fewer turns (129-192 keys and from 257).
+#ifndef FLASH_FWD_TURN_KEYS
+#define FLASH_FWD_TURN_KEYS 24
 #endif
 constexpr bool kFwdIntraWgOverlap = FLASH_FWD_INTRA_WG_OVERLAP != 0;
 constexpr bool kFwdIntraWgOverlapBc128 = FLASH_FWD_INTRA_WG_OVERLAP_BC128 != 0;
@@ -241,14 +246,15 @@ template <typename Config>
 struct CausalNarrowOf<Config, std::void_t<typename Config::CausalNarrowTraits>> {
     using type = typename Config::CausalNarrowTraits;
 };
-// Where a Hopper config's dense non-causal calls switch from ShortTraits to Traits: its kLongKeysNonCausal where
-// it names one, else its kLongKeys.
-template <typename Config, typename = void>
-struct LongKeysNonCausalOf { static constexpr int value = Config::kLongKeys; };
-template <typename Config>
-struct LongKeysNonCausalOf<Config, std::void_t<decltype(Config::kLongKeysNonCausal)>> {
-    static constexpr int value = Config::kLongKeysNonCausal;
-};
+// Whether a dense non-causal call over seqlen_k keys runs Long's wider key blocks rather than Short's: where Long's
+// turns cost less, each its block's keys plus FLASH_FWD_TURN_KEYS, a partial last block as much as a whole one.
+template <typename Long, typename Short>
+constexpr bool wider_blocks_pay(int seqlen_k) {
+    const auto turns_cost = [seqlen_k](int block_keys) {
+        return static_cast<int64_t>((seqlen_k + block_keys - 1) / block_keys) * (block_keys + FLASH_FWD_TURN_KEYS);
+    };
+    return turns_cost(Long::kBlockN) < turns_cost(Short::kBlockN);
+}
 template <int kHeadDim, typename Element> struct HopperFwdConfig { static constexpr bool kAvailable = false; };
 #ifdef FLASH_KERNEL_SM90A
 template <typename E> struct HopperFwdConfig<64, E> {
@@ -269,7 +275,8 @@ template <typename E> struct HopperFwdConfig<64, E> {
 template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr bool kAvailable = true;
     // hd128's tiles, 6 of 8 k16 steps in Q K^T and O over 96 columns. 192-key blocks without the narrow P V and
-    // the overlap were slower here (hd80 causal at 4k-8k); with both, FLASH_FWD_HD96_BC192 runs them from 2k keys.
+    // the overlap were slower here (hd80 causal at 4k-8k); with both, FLASH_FWD_HD96_BC192 runs them (from 2k keys in
+    // causal calls).
     // The tiles with Q K^T over kQK columns and P V over kV: 128-key blocks (two warpgroups, 3 stages; 169 KB) and
     // 192-key blocks (two warpgroups, 2 stages, the intra-warpgroup overlap; 169 KB). Three warpgroups on 192 query
     // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
@@ -290,7 +297,7 @@ template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr int kVDim = kFwdNarrowPv ? 96 : kW;
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
-    static constexpr int kLongKeys = 2048;  // where Long and Short differ (launch_fwd_hopper_tiles)
+    static constexpr int kLongKeys = 2048;  // causal, varlen, windowed calls: Long from here (launch_fwd_hopper_tiles)
     // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
     static constexpr int kNarrowDim = kNarrowHd80Dim;
     using NarrowShortTraits = Short<80, 80>;
@@ -308,7 +315,6 @@ template <typename E> struct HopperFwdConfig<128, E> {
     using Traits = HopperFwdTraits<128, 192, 2, E, 128, 2, kFwdIntraWgOverlap>;       // 225 KB of shared memory
     using ShortTraits = HopperFwdTraits<128, 128, 3, E, 128, 2, kFwdIntraWgOverlapBc128>;  // 225 KB
     static constexpr int kLongKeys = 2048;
-    static constexpr int kLongKeysNonCausal = FLASH_FWD_HD128_NONCAUSAL_LONG_KEYS;  // dense non-causal calls
 };
 #endif
 
