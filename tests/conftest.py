@@ -29,7 +29,7 @@ def _nvcc(purpose: str) -> str:
 @pytest.fixture(scope="session")
 def host_check(tmp_path_factory):
     """host_check("name_check.cu") -> the program's stdout lines, once it built and exited 0 (built and run once per
-    session: its output depends on the sources alone)."""
+    pytest run: its output depends on the sources alone)."""
     nvcc = _nvcc("compiles the host check")
     outputs: dict[str, list[str]] = {}
 
