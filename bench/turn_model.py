@@ -12,7 +12,12 @@ The 192-key blocks run where cost(T, 192) < cost(T, 128); the model's time ratio
 the two tiles timed beside each other, e.g. bench/results/stage3_rounds/v47/tile_ratios.csv) it prints each row beside
 the model and where the model's choice was the slower tile; `--plot PNG` draws both against the keys.
 
+`--causal` prints the same count summed over a causal grid's query tiles of 128 rows (Tq = Tk: the k-th sees 128 k
+keys), which at hd128 orders the tiles as kLongKeys does: the 128-key blocks below about 2k keys, the 192-key ones
+above (results.md section 39; the causal diagonal's masking is not counted).
+
     python bench/turn_model.py                                   # the choice and the ratio, 128 to 4096 keys
+    python bench/turn_model.py --causal                          # the same for causal calls, 128 to 16384 keys
     python bench/turn_model.py --measured bench/results/stage3_rounds/v47/tile_ratios.csv --plot fig.png
 """
 
@@ -44,6 +49,15 @@ def wider_blocks_pay(keys: int, turn_keys: int = TURN_KEYS) -> bool:
 def predicted_ratio(keys: int, turn_keys: int = TURN_KEYS) -> float:
     """The model's time of the 128-key blocks over the 192-key ones (> 1: the wider blocks are faster)."""
     return turns_cost(keys, NARROW, turn_keys) / turns_cost(keys, WIDE, turn_keys)
+
+
+def causal_predicted_ratio(keys: int, turn_keys: int = TURN_KEYS, rows: int = NARROW) -> float:
+    """predicted_ratio summed over a causal grid's query tiles of `rows` rows, Tq = Tk = keys: the k-th tile's turns
+    cover its first min(rows * k, keys) keys."""
+    tiles = range(1, math.ceil(keys / rows) + 1)
+    seen = [min(rows * k, keys) for k in tiles]
+    return (sum(turns_cost(t, NARROW, turn_keys) for t in seen) /
+            sum(turns_cost(t, WIDE, turn_keys) for t in seen))
 
 
 def read_measured(path: Path) -> list[dict]:
@@ -115,9 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-keys", type=int, default=TURN_KEYS, help="a turn's fixed work, in keys")
     parser.add_argument("--measured", type=Path, help="CSV of measured ratios (hd, keys, t128_over_t192)")
     parser.add_argument("--plot", type=Path, help="draw the measured rows against the model (needs --measured)")
+    parser.add_argument("--causal", action="store_true", help="the count summed over a causal grid's query tiles")
     args = parser.parse_args(argv)
     if args.plot and not args.measured:
         parser.error("--plot draws measured rows: give --measured CSV")
+    if args.causal and args.measured:
+        parser.error("--measured rows are dense non-causal calls: leave out --causal")
+    if args.causal:
+        print(f"{'keys':>6} {'model 128/192, causal':>22}")
+        for t in (512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 3072, 4096, 8192, 16384):
+            print(f"{t:>6} {causal_predicted_ratio(t, args.turn_keys):>22.3f}")
+        return 0
     if args.measured:
         rows = read_measured(args.measured)
         print(report(rows, args.turn_keys))

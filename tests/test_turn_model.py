@@ -62,3 +62,20 @@ def test_main_prints_the_table_and_draws_the_figure(tmp_path, capsys):
 def test_plot_needs_measured_rows():
     with pytest.raises(SystemExit):
         m.main(["--plot", "fig.png"])
+
+
+def test_the_causal_count_crosses_over_near_klongkeys():
+    # hd128's causal calls switch to the 192-key blocks at 2048 keys (kLongKeys); summed over a causal grid's query
+    # tiles the count favours the 128-key blocks up to 2048 keys and the 192-key ones from 2304.
+    assert all(m.causal_predicted_ratio(t) < 1 for t in range(128, 2049, 128))
+    assert all(m.causal_predicted_ratio(t) > 1 for t in range(2304, 16385, 256))
+    # one tile of 128 rows: the dense count
+    assert m.causal_predicted_ratio(100) == pytest.approx(m.predicted_ratio(100))
+
+
+def test_main_prints_the_causal_count_and_refuses_it_with_measured_rows(capsys):
+    assert m.main(["--causal"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[0] == "keys" and ["2048", "0.997"] in [line.split() for line in lines]
+    with pytest.raises(SystemExit):
+        m.main(["--causal", "--measured", str(MEASURED)])
