@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -80,6 +81,8 @@ def choice_loss(row: dict, turn_keys: int = TURN_KEYS) -> float:
 
 
 def report(rows: list[dict], turn_keys: int = TURN_KEYS) -> str:
+    """A table of the rows beside the model's ratio and tile, and a last line: in how many rows, and by how much at
+    most, the model's tile was the slower one."""
     lines = [f"turn_keys {turn_keys}", f"{'hd':>4} {'keys':>6} {'measured':>9} {'model':>7} {'choice':>7}  slower by"]
     for r in sorted(rows, key=lambda r: (-r["hd"], r["keys"])):
         loss = choice_loss(r, turn_keys)
@@ -93,6 +96,8 @@ def report(rows: list[dict], turn_keys: int = TURN_KEYS) -> str:
 
 
 def plot(rows: list[dict], path: Path, turn_keys: int = TURN_KEYS) -> Path:
+    """One panel per head dim: the model's ratio as a line over the keys, the rows as points (a cross where the
+    model's tile was the slower one); saved to path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plot and not args.measured:
         parser.error("--plot draws measured rows: give --measured CSV")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib (pip install matplotlib)")
     if args.causal and args.measured:
         parser.error("--measured rows are dense non-causal calls: leave out --causal")
     if args.causal:

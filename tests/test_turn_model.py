@@ -79,3 +79,11 @@ def test_main_prints_the_causal_count_and_refuses_it_with_measured_rows(capsys):
     assert lines[0].split()[0] == "keys" and ["2048", "0.997"] in [line.split() for line in lines]
     with pytest.raises(SystemExit):
         m.main(["--causal", "--measured", str(MEASURED)])
+
+
+def test_plot_without_matplotlib_is_refused_before_anything_runs(monkeypatch, tmp_path):
+    find_spec = m.importlib.util.find_spec
+    monkeypatch.setattr(m.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
+    with pytest.raises(SystemExit):
+        m.main(["--measured", str(MEASURED), "--plot", str(tmp_path / "fig.png")])
+    assert not (tmp_path / "fig.png").exists()
