@@ -84,15 +84,23 @@ def report(rows: list[dict], turn_keys: int = TURN_KEYS) -> str:
     """A table of the rows beside the model's ratio and tile, and a last line: in how many rows, and by how much at
     most, the model's tile was the slower one."""
     lines = [f"turn_keys {turn_keys}", f"{'hd':>4} {'keys':>6} {'measured':>9} {'model':>7} {'choice':>7}  slower by"]
+    losses = []
     for r in sorted(rows, key=lambda r: (-r["hd"], r["keys"])):
         loss = choice_loss(r, turn_keys)
+        losses.append(loss)
         tile = WIDE if wider_blocks_pay(r["keys"], turn_keys) else NARROW
         lines.append(f"{r['hd']:>4} {r['keys']:>6} {r['t128_over_t192']:>9.3f} "
                      f"{predicted_ratio(r['keys'], turn_keys):>7.3f} {tile:>7}  {f'{loss:.1%}' if loss else ''}")
-    worst = max((choice_loss(r, turn_keys) for r in rows), default=0.0)
-    wrong = sum(choice_loss(r, turn_keys) > 0 for r in rows)
+    wrong, worst = sum(loss > 0 for loss in losses), max(losses, default=0.0)
     lines.append(f"{len(rows)} rows: the model's tile the slower one in {wrong}, by at most {worst:.1%}")
     return "\n".join(lines)
+
+
+# plot's measured points, by whether the model's tile was the slower one
+POINT_STYLES = {
+    False: dict(s=18, color="tab:blue", label="measured: the model picks the faster tile"),
+    True: dict(s=30, marker="x", color="tab:red", label="measured: the model picks the slower one"),
+}
 
 
 def plot(rows: list[dict], path: Path, turn_keys: int = TURN_KEYS) -> Path:
@@ -113,17 +121,17 @@ def plot(rows: list[dict], path: Path, turn_keys: int = TURN_KEYS) -> Path:
         model_line, = ax.plot(list(keys), [predicted_ratio(t, turn_keys) for t in keys], color="0.6", lw=1,
                               label=f"model (turn = block + {turn_keys} keys)")
         own = [r for r in rows if r["hd"] == hd]
-        right = ax.scatter([r["keys"] for r in own if not choice_loss(r, turn_keys)],
-                           [r["t128_over_t192"] for r in own if not choice_loss(r, turn_keys)], s=18,
-                           color="tab:blue", zorder=3, label="measured: the model picks the faster tile")
-        wrong = ax.scatter([r["keys"] for r in own if choice_loss(r, turn_keys)],
-                           [r["t128_over_t192"] for r in own if choice_loss(r, turn_keys)], s=30, marker="x",
-                           color="tab:red", zorder=3, label="measured: the model picks the slower one")
+        slower = [bool(choice_loss(r, turn_keys)) for r in own]
+        points = []
+        for picked_slower, style in POINT_STYLES.items():
+            chosen = [r for r, x in zip(own, slower) if x == picked_slower]
+            points.append(ax.scatter([r["keys"] for r in chosen], [r["t128_over_t192"] for r in chosen], zorder=3,
+                                     **style))
         ax.axhline(1.0, color="k", lw=0.6)
         ax.set_xscale("log", base=2)
         ax.set_ylabel(f"hd{hd}: time 128 / 192")
         ax.grid(alpha=0.3)
-        handles = [model_line, right, wrong]
+        handles = [model_line, *points]
     axes[-1, 0].set_xlabel("keys (T)")
     title = "Hopper forward, dense non-causal: 128-key over 192-key blocks (above 1: the 192-key blocks are faster)"
     return save_figure(fig, title, handles, path)
