@@ -45,21 +45,23 @@ def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, de
 
 
 WGMMA = "wgmma.mma_async.sync.aligned."
+# a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set;
+# under FLASH_WGMMA_DESC_PAIR its high word, 0x80000020 (layout type 2, the 512-byte atom as stride)
+SW64_DESC = re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;|mov\.u32\s+%r\d+, -2147483616;")
 TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the PTX that marks them,
-    #  other switches held: FLASH_FWD_NARROW_PV narrows the 128-wide tiles only, which FLASH_FWD_HD96_SW64 replaces)
+    #  other switches held: FLASH_FWD_NARROW_PV, FLASH_BWD_NARROW_DKV and FLASH_BWD_NARROW_DQ narrow the 128-wide
+    #  tiles only, which FLASH_FWD_HD96_SW64 and FLASH_BWD_HD96_SW64 replace at hd96)
     ("FLASH_FWD_NARROW_PV", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16", ["FLASH_FWD_HD96_SW64=0"]),
-    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16", []),
+    ("FLASH_BWD_NARROW_DKV", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n96k16", ["FLASH_BWD_HD96_SW64=0"]),
     ("FLASH_FWD_HD96_BC192", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n192k16", []),
     ("FLASH_NARROW_HD80", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", []),
     ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", []),
     # a producer + 3 consumers; the causal hd80 tile has them too
     ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", ["FLASH_FWD_HD80_CAUSAL_3WG=0"]),
-    ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", []),
+    ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", ["FLASH_BWD_HD96_SW64=0"]),
     ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", []),
-    # a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set;
-    # under FLASH_WGMMA_DESC_PAIR its high word, 0x80000020 (layout type 2, the 512-byte atom as stride)
-    ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1,
-     re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;|mov\.u32\s+%r\d+, -2147483616;"), []),
+    ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, SW64_DESC, []),
+    ("FLASH_BWD_HD96_SW64", "flash_bwd_hdim96_bf16.cu", 1, SW64_DESC, []),
 ]
 
 

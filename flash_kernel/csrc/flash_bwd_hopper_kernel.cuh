@@ -1,7 +1,8 @@
 // FlashAttention-2 backward main kernel (Alg. 2 lines 6-20, text in flash_bwd_common.cuh) on Hopper: every
-// matmul a wgmma (sm_90a), the operands read by the tensor cores from 128B-swizzled shared memory through
-// descriptors (hopper_utils.cuh), or from registers for P^T and dS^T. Same masking, bounds and outputs as
-// flash_bwd_tiled_kernel; the preprocess (D) and dQ-convert kernels around it are the same too.
+// matmul a wgmma (sm_90a), the operands read by the tensor cores from swizzled shared memory through descriptors
+// (hopper_utils.cuh: SW128, or SW64 for Q, dO, K and V at hd81-96), or from registers for P^T and dS^T. Same
+// masking, bounds and outputs as flash_bwd_tiled_kernel; the preprocess (D) and dQ-convert kernels around it are the
+// same too.
 //
 // Per thread block: K_j, V_j (kBlockN = 128 keys); warpgroup wg owns keys [64 wg, 64 wg + 64). Per query block
 // i (kBlockM queries; Q_i and dO_i by TMA, L_i and D_i by cp.async, in two stages: block i+2 is loaded into block
@@ -70,9 +71,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kKStepsD = Traits::kSumDim / kMmaK;  // k16 steps of lines 11 and 14 (to kSumDim, not the tile width)
     constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
     constexpr int kKStepsDq = kBlockN / kMmaK;   // k16 steps of line 16 (keys)
-    constexpr uint32_t kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-column block of K or V
-    constexpr uint32_t kQColBlockBytes = kBlockM * kSwizzleRowBytes;   // one 64-column block of Q_i or dO_i
-    constexpr uint32_t kKStepRowsBytes = kMmaK * kSwizzleRowBytes;     // 16 rows of an N- or M-major operand
+    // Q, dO, K and V in the SwizzleSpan of the traits (SW128: column blocks of 64, SW64: of 32; hopper_utils.cuh);
+    // dS^T always in SW128.
+    constexpr int kSpan = Traits::kSpanBytes;
+    using Span = SwizzleSpan<kSpan>;
+    constexpr uint32_t kKVColBlockBytes = kBlockN * Span::kBytes;      // one column block of K or V
+    constexpr uint32_t kQColBlockBytes = kBlockM * Span::kBytes;       // one column block of Q_i or dO_i
+    constexpr uint32_t kKStepRowsBytes = kMmaK * Span::kBytes;         // 16 rows of N-major Q_i, dO_i or K
+    constexpr uint32_t kDsColBlockBytes = kBlockN * kSwizzleRowBytes;  // one 64-query column block of dS^T
+    constexpr uint32_t kDsKStepBytes = kMmaK * kSwizzleRowBytes;       // 16 keys of dS^T (M-major)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // The tiles' swizzle is relative to 1024-aligned addresses; the launch allocates kSwizzleAtomBytes of slack.
@@ -156,10 +163,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto load_q_do = [&](int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         if (loader) {
-            tma_load_rows<kBlockM, kHeadDim>(sQ + stage * Traits::kSmemQBytes, &maps.q, sq.q_row0 + row0, bidh, batch_coord,
-                                             full_qdo(stage));
-            tma_load_rows<kBlockM, kHeadDim>(sdO + stage * Traits::kSmemQBytes, &maps.dO, sq.q_row0 + row0, bidh, batch_coord,
-                                             full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ + stage * Traits::kSmemQBytes, &maps.q, sq.q_row0 + row0, bidh,
+                                                    batch_coord, full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim, kSpan>(sdO + stage * Traits::kSmemQBytes, &maps.dO, sq.q_row0 + row0,
+                                                    bidh, batch_coord, full_qdo(stage));
         }
         load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, lse, delta, row0, seqlen_q, tid);
         cp_async_commit();
@@ -188,15 +195,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // K-major descriptors of this warpgroup's 64 key rows of K and V (lines 11, 14); the dQ operands (line 16):
     // the 64-query column block dq_row0 / 64 of dS^T (M-major) and K's columns from dq_col0 (N-major).
-    const uint32_t wg_rows_bytes = wg * kWarpgroupRows * kSwizzleRowBytes;
-    const uint64_t desc_k = make_smem_desc_sw128(sK + wg_rows_bytes, 16, kSwizzleAtomBytes);
-    const uint64_t desc_v = make_smem_desc_sw128(sV + wg_rows_bytes, 16, kSwizzleAtomBytes);
+    const uint32_t wg_rows_bytes = wg * kWarpgroupRows * Span::kBytes;
+    const uint64_t desc_k = make_smem_desc<kSpan>(sK + wg_rows_bytes, 16, Span::kAtomBytes);
+    const uint64_t desc_v = make_smem_desc<kSpan>(sV + wg_rows_bytes, 16, Span::kAtomBytes);
     const int dq_row0 = Traits::kDqSplitQueries ? wg * kWarpgroupRows : 0;
     const int dq_col0 = Traits::kDqSplitQueries ? 0 : wg * Traits::kDqCols;
-    const uint64_t desc_ds = make_smem_desc_sw128(sdS + (dq_row0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
-                                                  kSwizzleAtomBytes);
-    const uint64_t desc_kt = make_smem_desc_sw128(sK + (dq_col0 / kSwizzleBlockElems) * kKVColBlockBytes, kKVColBlockBytes,
-                                                  kSwizzleAtomBytes);
+    const uint64_t desc_ds = make_smem_desc_sw128(sdS + (dq_row0 / kSwizzleBlockElems) * kDsColBlockBytes,
+                                                  kDsColBlockBytes, kSwizzleAtomBytes);
+    const uint64_t desc_kt = make_smem_desc<kSpan>(sK + (dq_col0 / Span::kBlockElems) * kKVColBlockBytes,
+                                                   kKVColBlockBytes, Span::kAtomBytes);
 
     // Lines 11 and 14 are the same product over the head dim, (64 keys of K or V) x (kBlockM rows of Q_i or dO_i)^T,
     // both operands K-major: one wgmma group into acc.
@@ -204,8 +211,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
-            Wgmma<Element, kBlockM>::template ss<0>(acc, desc_advance(desc_kv, (kk / 4) * kKVColBlockBytes + (kk % 4) * 32),
-                                                    desc_advance(desc_rows, (kk / 4) * kQColBlockBytes + (kk % 4) * 32), kk > 0);
+            constexpr int kSteps = Span::kKStepsPerBlock;  // k16 steps per column block
+            Wgmma<Element, kBlockM>::template ss<0>(
+                acc, desc_advance(desc_kv, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32),
+                desc_advance(desc_rows, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32), kk > 0);
         }
         wgmma_commit();
     };
@@ -219,7 +228,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     auto issue_s = [&](int iter, int stage) {
         mbarrier_wait(full_qdo(stage), (iter / kNStages) & 1);
-        issue_over_d(s, desc_k, make_smem_desc_sw128(sQ + stage * Traits::kSmemQBytes, 16, kSwizzleAtomBytes));
+        issue_over_d(s, desc_k, make_smem_desc<kSpan>(sQ + stage * Traits::kSmemQBytes, 16, Span::kAtomBytes));
     };
 
     // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros), and the first two query blocks.
@@ -227,8 +236,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (loader) {
             prefetch_tensor_map(&maps.k);
             prefetch_tensor_map(&maps.v);
-            tma_load_rows<kBlockN, kHeadDim>(sK, &maps.k, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
-            tma_load_rows<kBlockN, kHeadDim>(sV, &maps.v, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
+            tma_load_rows<kBlockN, kHeadDim, kSpan>(sK, &maps.k, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
+            tma_load_rows<kBlockN, kHeadDim, kSpan>(sV, &maps.v, sq.k_row0 + key0, bidh_k, batch_coord, full_kv);
         }
         load_q_do(m_block_min, 0);
         if (m_block_min + 1 < m_block_max) load_q_do(m_block_min + 1, 1);
@@ -257,7 +266,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
         if constexpr (!Traits::kIssueNextSEarly) issue_s(iter, stage);
         float dp[kBlockM / 2];
-        issue_over_d(dp, desc_v, make_smem_desc_sw128(sdO_st, 16, kSwizzleAtomBytes));
+        issue_over_d(dp, desc_v, make_smem_desc<kSpan>(sdO_st, 16, Span::kAtomBytes));
 
         // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1.
         if (m_block > m_block_min) reduce_dq(m_block - 1);
@@ -339,8 +348,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
         // Lines 13 and 17: dV += P^T dO_i, dK += dS^T Q_i (dK's softmax scale is applied in the epilogue);
         // kDqBeforeDk: dV here, dK behind dQ_i (hopper_bwd_traits.h).
-        const uint64_t desc_do_n = make_smem_desc_sw128(sdO_st, kQColBlockBytes, kSwizzleAtomBytes);
-        const uint64_t desc_q_n = make_smem_desc_sw128(sQ_st, kQColBlockBytes, kSwizzleAtomBytes);
+        const uint64_t desc_do_n = make_smem_desc<kSpan>(sdO_st, kQColBlockBytes, Span::kAtomBytes);
+        const uint64_t desc_q_n = make_smem_desc<kSpan>(sQ_st, kQColBlockBytes, Span::kAtomBytes);
         auto issue_dk = [&]() {
 #pragma unroll
             for (int kk = 0; kk < kKStepsM; ++kk) {
@@ -369,7 +378,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kKStepsDq; ++kk) {
-                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kKStepRowsBytes),
+                Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kDsKStepBytes),
                                                          desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
             }
             wgmma_commit();
@@ -454,7 +463,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int within = 2 * t * static_cast<int>(sizeof(Element));
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint32_t off = swizzled_chunk_offset<kBlockN>(key_row + 8 * r, i) + within;
+            const uint32_t off = swizzled_chunk_offset<kBlockN, kSpan>(key_row + 8 * r, i) + within;
             *reinterpret_cast<uint32_t*>(smem + off) =
                 pack2<Element>(acc_dk[4 * i + 2 * r] * params.scale_softmax, acc_dk[4 * i + 2 * r + 1] * params.scale_softmax);
             *reinterpret_cast<uint32_t*>(smem + Traits::kSmemKVBytes + off) =
@@ -466,8 +475,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   (sq.k_row0 + key0) * params.dk_row_stride;
     Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
                   (sq.k_row0 + key0) * params.dv_row_stride;
-    store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dk, smem, params.dk_row_stride, valid_keys, d);
-    store_tile_swizzled<kBlockN, kHeadDim, kNThreads>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride, valid_keys, d);
+    store_tile_swizzled<kBlockN, kHeadDim, kNThreads, kSpan>(dk, smem, params.dk_row_stride, valid_keys, d);
+    store_tile_swizzled<kBlockN, kHeadDim, kNThreads, kSpan>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride,
+                                                             valid_keys, d);
     if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_bwd_traits.h)

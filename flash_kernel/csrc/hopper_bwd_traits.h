@@ -5,7 +5,7 @@
 // queries) and dK, dV (64 keys x head dim) are wgmma accumulators in registers. dQ_i = dS_i K_j needs every key
 // of the block, so dS^T goes through shared memory, and the two warpgroups split dQ's work by queries (kBlockM
 // = 128: each 64 queries x the head dim) or by columns (kBlockM = 64: 64 queries x 64 columns each at hd128; at
-// hd65-96, on the 128-wide tiles, the second warpgroup's columns stop at 96 with FLASH_BWD_NARROW_DQ).
+// hd65-96 the second warpgroup's columns stop at 96 with FLASH_BWD_NARROW_DQ).
 #pragma once
 
 #include "hopper_kernel_traits.h"  // kWarpgroupThreads, kWarpgroupRows, kMaxSmemBytesSm90
@@ -14,30 +14,42 @@
 #ifndef FLASH_BWD_DQ_BEFORE_DK
 #define FLASH_BWD_DQ_BEFORE_DK 1
 #endif
-// FLASH_BWD_NARROW_DKV (on): head dims 65-96 (the 128-wide tiles with kQKDim = 96) accumulate dK and dV over 96
-// columns (kDkvDim, n96 wgmmas reading 1.5 of Q's and dO's 64-column blocks) instead of 128: a quarter less work
-// in those two products, and 32 fewer accumulator registers per thread.
+// FLASH_BWD_NARROW_DKV (on): the hd96 config's 128-wide tiles (kQKDim = 96; with FLASH_BWD_HD96_SW64 off, whose
+// 96-wide tiles give dK and dV 96 columns either way) accumulate dK and dV over 96 columns (kDkvDim, n96 wgmmas
+// reading 1.5 of Q's and dO's 64-column blocks) instead of 128: a quarter less work in those two products, and 32
+// fewer accumulator registers per thread.
 #ifndef FLASH_BWD_NARROW_DKV
 #define FLASH_BWD_NARROW_DKV 1
 #endif
 // FLASH_BWD_NARROW_DQ (on): where the warpgroups split dQ_i by columns and the head dim is not two whole 64-column
 // blocks (hd65-96: dQ rows of 96 floats), the last warpgroup computes only the columns up to kQKDim (n32 instead of
 // n64; the other keeps its 64): dQ's tensor work per iteration 128 -> 96 columns, a quarter less, 6-7% of the
-// iteration's (FA4's sm90 backward at these head dims computes dQ as one n96 on one warpgroup instead).
+// iteration's (FA4's sm90 backward at these head dims computes dQ as one n96 on one warpgroup instead). The 96-wide
+// SW64 tiles (FLASH_BWD_HD96_SW64) end at 96 columns, so there the last warpgroup's n32 needs no switch.
 #ifndef FLASH_BWD_NARROW_DQ
 #define FLASH_BWD_NARROW_DQ 1
+#endif
+// FLASH_BWD_HD96_SW64 (on): head dims 81-96 (the hd96 config's Traits) store Q, dO, K and V 96 columns wide in the
+// SW64 layout (as the forward's FLASH_FWD_HD96_SW64) instead of 128 in SW128, whose last 32 columns TMA fills with
+// zeros: a quarter fewer bytes per Q_i / dO_i stage and per K_j / V_j, 162 KiB of shared memory instead of 194. dS^T
+// and sdQ keep their layouts; the hd80 twins keep SW128.
+#ifndef FLASH_BWD_HD96_SW64
+#define FLASH_BWD_HD96_SW64 1
 #endif
 
 namespace flash {
 
 // kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded), the floats of a dQ row;
 // kSumDim <= kQKDim the columns that S^T = K Q_i^T and dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96
-// run the 128-wide tiles with zero columns; FLASH_NARROW_HD80's twins skip 16 more of them).
+// run the 128-wide tiles with zero columns; FLASH_NARROW_HD80's twins skip 16 more of them). kSpanBytes: Q, dO, K
+// and V in SW128 (128, column blocks of 64) or SW64 (64, column blocks of 32; hopper_utils.cuh).
 template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64, int kDkvDim_ = kHeadDim_,
-          int kSumDim_ = kQKDim_>
+          int kSumDim_ = kQKDim_, int kSpanBytes_ = kSwizzleRowBytes>
 struct HopperBwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kSpanBytes = kSpanBytes_;  // the Q, dO, K and V tiles' SwizzleSpan
+    static constexpr int kBlockElems = SwizzleSpan<kSpanBytes>::kBlockElems;
     static constexpr int kQKDim = kQKDim_;
     static constexpr int kSumDim = kSumDim_;
     // dK's and dV's columns, the N of dV += P^T dO_i and dK += dS^T Q_i (<= kHeadDim: the tile's columns past it,
@@ -57,10 +69,14 @@ struct HopperBwdTraits {
     // dK += dS^T Q_i, so that the dQ_i stores into sdQ run while dK is on the tensor cores. Otherwise dV and dK
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
-    static constexpr int kDqCols = kDqSplitQueries ? kHeadDim : kHeadDim / kNWarpgroups;
-    // The last warpgroup's dQ columns (FLASH_BWD_NARROW_DQ: up to kQKDim; its wgmma's N).
+    // Split by columns: whole 64-column blocks per warpgroup (the 96-wide SW64 tiles: 64, then 32).
+    static constexpr int kDqCols = kDqSplitQueries ? kHeadDim
+                                                   : (kHeadDim / kNWarpgroups + kSwizzleBlockElems - 1) /
+                                                         kSwizzleBlockElems * kSwizzleBlockElems;
+    // The last warpgroup's dQ columns, its wgmma's N: up to kQKDim (FLASH_BWD_NARROW_DQ), else up to the tile's width
+    // (where the 96-wide SW64 tiles end too).
     static constexpr int kDqColsLast =
-        FLASH_BWD_NARROW_DQ != 0 && !kDqSplitQueries ? kQKDim - (kNWarpgroups - 1) * kDqCols : kDqCols;
+        kDqSplitQueries ? kDqCols : (FLASH_BWD_NARROW_DQ != 0 ? kQKDim : kHeadDim) - (kNWarpgroups - 1) * kDqCols;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
@@ -79,17 +95,18 @@ struct HopperBwdTraits {
         kSmemTileBytes + kSmemRowStatBytes + kDqStages * kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
-    static_assert(kHeadDim % kSwizzleBlockElems == 0, "head dim must be whole 64-column blocks (64 or 128)");
-    static_assert(kQKDim <= kHeadDim && kSumDim % 16 == 0 && kSumDim <= kQKDim &&
-                      kSumDim > kHeadDim - kSwizzleBlockElems,
-                  "S^T's and dP^T's head dim: whole k16 steps in the tile's last 64-column block");
+    static_assert(kHeadDim % kBlockElems == 0, "the tile width must be whole column blocks (of 64, or 32 for SW64)");
+    static_assert(kQKDim <= kHeadDim && kSumDim % 16 == 0 && kSumDim <= kQKDim && kSumDim > kHeadDim - kBlockElems,
+                  "S^T's and dP^T's head dim: whole k16 steps in the tile's last column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
     static_assert(kDqColsLast % 16 == 0 && kDqColsLast > 0 && kDqColsLast <= kDqCols,
                   "the last warpgroup's dQ columns: whole n16 tiles of its 64-column block");
+    static_assert(kDqSplitQueries || (kNWarpgroups - 1) * kDqCols + kDqColsLast <= kHeadDim,
+                  "dQ's columns inside K's tile");
     static_assert(kQKDim % 32 == 0, "sdQ rows of whole 8-chunk groups (dq_accum_chunk's swizzle)");
-    static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kSwizzleBlockElems,
-                  "dK's and dV's N: whole n16 tiles that reach into the tile's last 64-column block");
+    static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kBlockElems,
+                  "dK's and dV's N: whole n16 tiles that reach into the tile's last column block");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
 };
 
@@ -104,10 +121,14 @@ template <typename E> struct HopperBwdConfig<64, E> {
 };
 template <typename E> struct HopperBwdConfig<96, E> {
     static constexpr bool kAvailable = true;
-    // hd128's tiles, 6 of 8 k16 steps in S^T and dP^T (and, under FLASH_BWD_NARROW_DKV, 96 columns of dK and dV)
-    using Traits = HopperBwdTraits<128, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : 128>;
-    // FLASH_NARROW_HD80 (hopper_kernel_traits.h): head dims up to 80 on 5 k16 steps and 80 columns of dK and dV;
-    // dQ's rows stay 96 floats, the rows the convert kernel of this head dim reads.
+    // FLASH_BWD_HD96_SW64: tiles 96 columns wide in SW64, else hd128's tiles, 6 of 8 k16 steps in S^T and dP^T (and,
+    // under FLASH_BWD_NARROW_DKV, 96 columns of dK and dV)
+    static constexpr int kWidth = FLASH_BWD_HD96_SW64 != 0 ? 96 : 128;
+    using Traits = HopperBwdTraits<kWidth, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : kWidth, 96,
+                                   FLASH_BWD_HD96_SW64 != 0 ? 64 : kSwizzleRowBytes>;
+    // FLASH_NARROW_HD80 (hopper_kernel_traits.h): head dims up to 80 on 5 k16 steps and 80 columns of dK and dV, on
+    // the 128-wide tiles (in SW64 the non-causal backward ran 0.93-0.97 x); dQ's rows stay 96 floats, the rows the
+    // convert kernel of this head dim reads.
     static constexpr int kNarrowDim = kNarrowHd80Dim;
     using NarrowTraits = HopperBwdTraits<128, E, 96, 64, 80, 80>;
 };

@@ -20,7 +20,8 @@
 // The SW64 layout (SwizzleSpan<64>) is the same with rows of 64 bytes: column blocks of 32 elements, atoms of 8 rows
 // x 64 bytes (512 bytes), the chunk index's two bits XORed with (row / 2) % 4 (address bits [4:5] ^= [7:8]), so 8
 // rows of one 16-byte column still fill 8 bank groups. It tiles head dims 65-96 at 96 columns, where SW128 needs
-// 128 (a quarter of every K/V stage zeros, written by TMA and never read): the forward's Q, K and V there.
+// 128 (a quarter of every K/V stage zeros, written by TMA and never read): the forward's Q, K and V there, and the
+// backward's Q, dO, K and V at 81-96.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +41,7 @@ struct SwizzleSpan {
     static constexpr uint64_t kDescLayout = kBytes == 128 ? 1 : 2;  // the descriptor's layout type
 };
 
-// SW128, the layout of every tile but the forward's Q, K and V at head dims 65-96.
+// SW128, the layout of every tile but the SW64 ones named above.
 constexpr int kSwizzleAtomBytes = SwizzleSpan<128>::kAtomBytes;    // 1024: tiles start at multiples of this
 constexpr int kSwizzleRowBytes = SwizzleSpan<128>::kBytes;
 constexpr int kSwizzleBlockElems = SwizzleSpan<128>::kBlockElems;  // 64 elements per row of one column block
@@ -157,10 +158,14 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
-// Byte offset of the 16-byte chunk c (column c * 8) of row `row` in a swizzled tile of kRows rows.
-template <int kRows>
+// Byte offset of the 16-byte chunk c (column c * 8) of row `row` in a swizzled tile of kRows rows (SW128: 8 chunks
+// per row of a column block, XORed with row % 8; SW64: 4, XORed with (row / 2) % 4).
+template <int kRows, int kSpanBytes = kSwizzleRowBytes>
 __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
-    return static_cast<uint32_t>((c / 8) * kRows * kSwizzleRowBytes + row * kSwizzleRowBytes + (((c % 8) ^ (row % 8)) * 16));
+    constexpr int kChunks = kSpanBytes / 16;
+    const int swizzle = kSpanBytes == 128 ? row % 8 : (row / 2) % 4;
+    return static_cast<uint32_t>((c / kChunks) * kRows * kSpanBytes + row * kSpanBytes +
+                                 (((c % kChunks) ^ swizzle) * 16));
 }
 
 // A warp's 16-bit fragment of k-step kk (the register A operand of an m64nNk16 wgmma, or an m16n8k16 mma: four 8x8
@@ -173,21 +178,20 @@ __device__ __forceinline__ void stmatrix_k_step(uint32_t tile, int row0, int kk,
 }
 
 // Write rows [0, valid_rows), columns [0, d) of a swizzled (kRows x kHeadDim) tile to global memory, 16 bytes
-// per thread per step (each quarter-warp writes one 128-byte row segment).
-template <int kRows, int kHeadDim, int kNThreads, typename Element>
+// per thread per step: chunk tid + step * kNThreads of the tile's rows laid end to end (at kHeadDim = 128 each
+// quarter-warp writes one 128-byte row segment).
+template <int kRows, int kHeadDim, int kNThreads, int kSpanBytes = kSwizzleRowBytes, typename Element>
 __device__ __forceinline__ void store_tile_swizzled(Element* gmem, const unsigned char* smem, int64_t row_stride,
                                                     int valid_rows, int d) {
     constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kRowsPerStep = kNThreads / kChunksPerRow;
-    static_assert(kNThreads % kChunksPerRow == 0 && kRows % kRowsPerStep == 0, "whole rows per step");
-    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
-    const int c = static_cast<int>(threadIdx.x) % kChunksPerRow;
+    static_assert(kRows * kChunksPerRow % kNThreads == 0, "whole steps of the block's threads");
 #pragma unroll
-    for (int step = 0; step < kRows / kRowsPerStep; ++step) {
-        const int row = row0 + step * kRowsPerStep;
+    for (int step = 0; step < kRows * kChunksPerRow / kNThreads; ++step) {
+        const unsigned chunk = threadIdx.x + step * kNThreads;
+        const int row = static_cast<int>(chunk / kChunksPerRow), c = static_cast<int>(chunk % kChunksPerRow);
         if (row < valid_rows && c * 8 < d) {
             *reinterpret_cast<uint4*>(gmem + row * row_stride + c * 8) =
-                *reinterpret_cast<const uint4*>(smem + swizzled_chunk_offset<kRows>(row, c));
+                *reinterpret_cast<const uint4*>(smem + swizzled_chunk_offset<kRows, kSpanBytes>(row, c));
         }
     }
 }
