@@ -475,9 +475,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                   (sq.k_row0 + key0) * params.dk_row_stride;
     Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
                   (sq.k_row0 + key0) * params.dv_row_stride;
-    store_tile_swizzled<kBlockN, kHeadDim, kNThreads, kSpan>(dk, smem, params.dk_row_stride, valid_keys, d);
-    store_tile_swizzled<kBlockN, kHeadDim, kNThreads, kSpan>(dv, smem + Traits::kSmemKVBytes, params.dv_row_stride,
-                                                             valid_keys, d);
+    using OutTile = SwizzledSpanTile<kBlockN, kSpan>;  // the K and V tiles' layout, now holding dK_j and dV_j
+    const Element* sdk = reinterpret_cast<const Element*>(smem);
+    const Element* sdv = sdk + Traits::kSmemKVBytes / Traits::kElemBytes;
+    store_tile<kBlockN, kHeadDim, OutTile, kNThreads>(dk, sdk, params.dk_row_stride, valid_keys, d);
+    store_tile<kBlockN, kHeadDim, OutTile, kNThreads>(dv, sdv, params.dv_row_stride, valid_keys, d);
     if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_bwd_traits.h)

@@ -70,9 +70,8 @@ struct HopperBwdTraits {
     // both go before the barrier and dQ_i is stored once every matmul of the iteration is done.
     static constexpr bool kDqBeforeDk = FLASH_BWD_DQ_BEFORE_DK != 0;
     // Split by columns: whole 64-column blocks per warpgroup (the 96-wide SW64 tiles: 64, then 32).
-    static constexpr int kDqCols = kDqSplitQueries ? kHeadDim
-                                                   : (kHeadDim / kNWarpgroups + kSwizzleBlockElems - 1) /
-                                                         kSwizzleBlockElems * kSwizzleBlockElems;
+    static constexpr int kDqCols =
+        kDqSplitQueries ? kHeadDim : ceil_div(kHeadDim / kNWarpgroups, kSwizzleBlockElems) * kSwizzleBlockElems;
     // The last warpgroup's dQ columns, its wgmma's N: up to kQKDim (FLASH_BWD_NARROW_DQ), else up to the tile's width
     // (where the 96-wide SW64 tiles end too).
     static constexpr int kDqColsLast =

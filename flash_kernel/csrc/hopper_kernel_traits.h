@@ -251,7 +251,7 @@ struct CausalNarrowOf<Config, std::void_t<typename Config::CausalNarrowTraits>> 
 template <typename Long, typename Short>
 constexpr bool wider_blocks_pay(int seqlen_k) {
     const auto turns_cost = [seqlen_k](int block_keys) {
-        return static_cast<int64_t>((seqlen_k + block_keys - 1) / block_keys) * (block_keys + FLASH_FWD_TURN_KEYS);
+        return static_cast<int64_t>(ceil_div(seqlen_k, block_keys)) * (block_keys + FLASH_FWD_TURN_KEYS);
     };
     return turns_cost(Long::kBlockN) < turns_cost(Short::kBlockN);
 }

@@ -177,23 +177,12 @@ __device__ __forceinline__ void stmatrix_k_step(uint32_t tile, int row0, int kk,
     stmatrix_x4(tile + swizzled_chunk_offset<kRows>(row0 + lane % 8 + 8 * ((lane / 8) % 2), 2 * kk + lane / 16), frag);
 }
 
-// Write rows [0, valid_rows), columns [0, d) of a swizzled (kRows x kHeadDim) tile to global memory, 16 bytes
-// per thread per step: chunk tid + step * kNThreads of the tile's rows laid end to end (at kHeadDim = 128 each
-// quarter-warp writes one 128-byte row segment).
-template <int kRows, int kHeadDim, int kNThreads, int kSpanBytes = kSwizzleRowBytes, typename Element>
-__device__ __forceinline__ void store_tile_swizzled(Element* gmem, const unsigned char* smem, int64_t row_stride,
-                                                    int valid_rows, int d) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    static_assert(kRows * kChunksPerRow % kNThreads == 0, "whole steps of the block's threads");
-#pragma unroll
-    for (int step = 0; step < kRows * kChunksPerRow / kNThreads; ++step) {
-        const unsigned chunk = threadIdx.x + step * kNThreads;
-        const int row = static_cast<int>(chunk / kChunksPerRow), c = static_cast<int>(chunk % kChunksPerRow);
-        if (row < valid_rows && c * 8 < d) {
-            *reinterpret_cast<uint4*>(gmem + row * row_stride + c * 8) =
-                *reinterpret_cast<const uint4*>(smem + swizzled_chunk_offset<kRows, kSpanBytes>(row, c));
-        }
+// A swizzled tile of kRows rows of 16-bit elements (swizzled_chunk_offset) as a Tile of store_tile (utils.cuh).
+template <int kRows, int kSpanBytes = kSwizzleRowBytes>
+struct SwizzledSpanTile {
+    __device__ static int index(int row, int col) {
+        return static_cast<int>(swizzled_chunk_offset<kRows, kSpanBytes>(row, col / 8) / 2) + col % 8;
     }
-}
+};
 
 }  // namespace flash

@@ -294,10 +294,10 @@ __device__ __forceinline__ void store_tile(Element* gmem, const Element* smem, i
     constexpr int kChunks = kRows * kChunksPerRow;
 #pragma unroll
     for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
-        const int c = c0 + static_cast<int>(threadIdx.x);
+        const unsigned c = c0 + threadIdx.x;  // unsigned: the divisions below are shifts or multiplies, no sign fix
         if (kChunks % kNThreads == 0 || c < kChunks) {
-            const int row = c / kChunksPerRow;
-            const int col = (c % kChunksPerRow) * 8;
+            const int row = static_cast<int>(c / kChunksPerRow);
+            const int col = static_cast<int>(c % kChunksPerRow) * 8;
             if (row < valid_rows && col < d) {
                 *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
                     *reinterpret_cast<const uint4*>(smem + Tile::index(row, col));
