@@ -62,6 +62,8 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", []),
     ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, SW64_DESC, []),
     ("FLASH_BWD_HD96_SW64", "flash_bwd_hdim96_bf16.cu", 1, SW64_DESC, []),
+    # not a tile: the blocks' phase stamps (block_trace.h), read from the global timer
+    ("FLASH_BWD_TRACE", "flash_bwd_hdim128_bf16.cu", 0, "%globaltimer", []),
 ]
 
 

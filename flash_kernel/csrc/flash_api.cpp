@@ -187,6 +187,15 @@ void set_overrides(bool fwd_sm80, bool bwd_sm80, int64_t causal_group_heads, int
                             count(bwd_causal_group_heads)};
 }
 
+// The buffer that FLASH_BWD_TRACE builds of the Hopper backward write their blocks' stamps into (block_trace.h):
+// rows x kBlockTraceCols int64 on the device, set by bench/block_trace.py; rows = 0 (the default) writes none.
+struct BlockTraceBuffer {
+    int64_t ptr = 0;
+    int64_t rows = 0;
+};
+BlockTraceBuffer g_block_trace;
+void set_block_trace(int64_t ptr, int64_t rows) { g_block_trace = BlockTraceBuffer{ptr, std::max<int64_t>(rows, 0)}; }
+
 bool is_sm90(int device_index) {
     const auto* prop = at::cuda::getDeviceProperties(device_index);
     return prop->major == 9 && prop->minor == 0;
@@ -431,6 +440,10 @@ void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const 
     if (hopper && p.is_causal && !flash::is_varlen_or_local(p)) {
         p.bwd_causal_group = bwd_causal_order_group_heads(p, q.element_size());
     }
+    if (g_block_trace.rows > 0) {
+        p.block_trace = reinterpret_cast<long long*>(g_block_trace.ptr);
+        p.block_trace_rows = g_block_trace.rows;
+    }
     const auto f32 = q.options().dtype(at::kFloat);
 
     // Deterministic: one ordered worker per split, about one wave of thread blocks in all.
@@ -563,6 +576,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "(0: sized to L2), max_smem_per_block (bytes; 0: the device's), bwd_causal_group_heads (0: the default)",
           py::arg("fwd_sm80"), py::arg("bwd_sm80"), py::arg("causal_group_heads"), py::arg("max_smem_per_block"),
           py::arg("bwd_causal_group_heads"));
+    m.def("set_block_trace", &set_block_trace,
+          "the device buffer (its address, its rows of kBlockTraceCols int64) that FLASH_BWD_TRACE builds of the Hopper "
+          "backward write each thread block's stamps into, for every later call (bench/block_trace.py); rows 0: none",
+          py::arg("ptr"), py::arg("rows"));
     m.def("unsupported_reason", &unsupported_reason,
           "empty where the forward and backward kernels for this head dim fit this CUDA device, else why not",
           py::arg("head_dim"), py::arg("device_index"), py::arg("deterministic"));

@@ -39,6 +39,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "block_trace.h"
 #include "causal_order.h"
 #include "flash_bwd_common.cuh"
 #include "hopper_bwd_traits.h"
@@ -101,6 +102,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const BlockCoord coord = bwd_block_coord<kIsCausal>(params.bwd_causal_group);
     const int n_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
+    // FLASH_BWD_TRACE: thread 0 stamps the prologue's loads landed, the loop's start and end, the dK / dV stores and
+    // the exit.
+    BlockTrace<FLASH_BWD_TRACE != 0> trace;
+    if (tid == 0) trace.start();
     const int wg = __shfl_sync(0xffffffffu, tid / kWarpgroupThreads, 0);  // warp-uniform: descriptors in uniform registers
     const int lane = tid % kWarpSize;
     const int g = lane / 4, t = lane % 4;
@@ -244,6 +249,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_wait(full_kv, 0);
         cp_async_wait<0>();
         __syncthreads();  // L_i and D_i of both stages visible to every thread
+        if (tid == 0) trace.stamp(0);
         if constexpr (Traits::kIssueNextSEarly) {
             issue_s(0, 0);
             wgmma_wait<0>();
@@ -251,6 +257,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
     }
 
+    if (tid == 0) trace.stamp(1);
     // Per query block the tensor cores see, in order: S^T_i (here, unless kIssueNextSEarly: then at the end of the
     // iteration before), dP^T_i; dV_j and dK_j; dQ_i. One block barrier in the middle (dS^T complete in sdS for
     // dQ_i) and one at the end (dQ_i complete in sdQ for the reduce; this stage free for block i+2).
@@ -456,6 +463,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Line 19: dK_j (times the softmax scale) and dV_j through the K and V tiles (every wgmma reading them
     // completed), in the swizzled layout, then 16-byte rows to global memory.
+    if (tid == 0) trace.stamp(2);
     __syncthreads();
     if (m_block_min < m_block_max) reduce_dq(m_block_max - 1);  // the last query block's dQ
 #pragma unroll
@@ -480,7 +488,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const Element* sdv = sdk + Traits::kSmemKVBytes / Traits::kElemBytes;
     store_tile<kBlockN, kHeadDim, OutTile, kNThreads>(dk, sdk, params.dk_row_stride, valid_keys, d);
     store_tile<kBlockN, kHeadDim, OutTile, kNThreads>(dv, sdv, params.dv_row_stride, valid_keys, d);
-    if (tid == 0) bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
+    if (tid == 0) {
+        trace.stamp(3);
+        bulk_wait_group_read<0>();  // the block's shared memory outlives the last reduce's reads
+        trace.stamp(4);
+        trace.write(params.block_trace, params.block_trace_rows, bidb, bidh, n_block, m_block_max - m_block_min);
+    }
 #else
     __trap();  // built without sm_90a: the launcher never picks this kernel (hopper_bwd_traits.h)
 #endif

@@ -100,6 +100,11 @@ struct BwdParams : public FwdParams {
     // Hopper causal kernel (flash_bwd_hopper_kernel.cuh): (batch, head) pairs per group of its block order
     // (causal_order.h, bwd_block_coord), or 0 for the grid's own order.
     int bwd_causal_group;
+
+    // FLASH_BWD_TRACE builds of the Hopper kernel (block_trace.h): kBlockTraceCols values per thread block, at the
+    // row of its index in the grid where that is below block_trace_rows; nullptr (the default) writes none.
+    long long* block_trace;
+    int64_t block_trace_rows;
 };
 
 // varlen dq_accum rows: each sequence starts on a multiple of kDqAccumRowPad (a multiple of every kernel's kBlockM)

@@ -36,6 +36,11 @@
 #ifndef FLASH_BWD_HD96_SW64
 #define FLASH_BWD_HD96_SW64 1
 #endif
+// FLASH_BWD_TRACE (off): thread 0 of every thread block writes the SM clock at the phases of its life into
+// BwdParams::block_trace (block_trace.h; bench/block_trace.py gives the buffer and reads it). For measurement only.
+#ifndef FLASH_BWD_TRACE
+#define FLASH_BWD_TRACE 0
+#endif
 
 namespace flash {
 

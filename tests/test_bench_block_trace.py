@@ -1,0 +1,55 @@
+"""bench/block_trace.py's accounting of the traced blocks, on rows made up here (no GPU)."""
+
+import pytest
+
+from bench import block_trace as bt
+
+
+def _row(sm, start_ns, trips, fixed=1000, per_trip=200, ghz=2.0, loaded=300, stored=250):
+    """A block on SM `sm` whose cycles are `fixed` outside the loop (the prologue `loaded`, a first S^T of 100, the
+    stores `stored`, the rest waiting for the reduce) plus `per_trip` per loop trip."""
+    loop_start = loaded + 100
+    loop_end = loop_start + per_trip * trips
+    stored_at = loop_end + stored
+    exit_at = fixed + per_trip * trips
+    assert exit_at > stored_at
+    return dict(sm=sm, batch=0, head=0, block=0, trips=trips, start_ns=start_ns,
+                exit_ns=start_ns + round(exit_at / ghz), loaded=loaded, loop_start=loop_start, loop_end=loop_end,
+                stored=stored_at, exit=exit_at)
+
+
+def test_fixed_cost_and_cycles_per_trip_are_recovered():
+    rows = [_row(sm, 0, trips) for sm, trips in enumerate([2, 10, 30, 64])]
+    s = bt.summarize(rows)
+    assert s["cycles_per_trip"] == pytest.approx(200)
+    assert s["fixed_cycles_per_block"] == pytest.approx(1000)
+    assert s["fixed_in_trips"] == pytest.approx(5)
+    assert s["fit"]["fixed_cycles"] == pytest.approx(1000)
+    assert s["fit"]["cycles_per_trip"] == pytest.approx(200)
+    assert s["sm_ghz"] == pytest.approx(2.0, rel=1e-3)
+    total = sum(r["exit"] for r in rows)
+    assert s["phase_share"][bt.PHASES[0][0]] == pytest.approx(4 * 300 / total)
+    assert s["phase_share"][bt.PHASES[2][0]] == pytest.approx(200 * (2 + 10 + 30 + 64) / total)
+    assert sum(s["phase_share"].values()) == pytest.approx(1)
+
+
+def test_sm_time_between_blocks_and_after_the_last():
+    # SM 0: a block of 1000 ns, a gap of 500 ns, a block of 1000 ns; SM 1: one block of 1000 ns, then idle 1500 ns
+    rows = [_row(0, 0, 0, fixed=2000, per_trip=0, loaded=100, stored=100),
+            _row(0, 1500, 0, fixed=2000, per_trip=0, loaded=100, stored=100),
+            _row(1, 0, 0, fixed=2000, per_trip=0, loaded=100, stored=100)]
+    for r in rows:
+        r["trips"] = 1  # one trip of no cycles: the blocks count as working blocks
+    s = bt.summarize(rows)
+    assert s["span_us"] == pytest.approx(2.5)
+    share = s["sm_time_share"]
+    assert share["blocks"] == pytest.approx(3000 / 5000)
+    assert share["between blocks"] == pytest.approx(500 / 5000)
+    assert share["after the last block"] == pytest.approx(1500 / 5000)
+    assert share["before the first block"] == 0
+    assert sum(share.values()) == pytest.approx(1)
+
+
+def test_no_working_block_is_an_error():
+    with pytest.raises(ValueError, match="no block ran a loop trip"):
+        bt.summarize([_row(0, 0, 0)])
