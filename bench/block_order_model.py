@@ -11,11 +11,14 @@ first, and reports makespan / (total cost / SMs): 1.0 is a perfect split of the 
 
 Orders: `grid`, the grid's own (block fastest: the forward's shortest block first in each head, the backward's
 longest), and `groups of N`, longest first across N (batch, head) pairs at a time (causal_order.h; N = B * H is the
-whole grid longest-first). It knows nothing of L2: groups exist because blocks running together share K and V (the
-forward) or Q and dO (the backward) there, which the measured numbers, not this model, decide (docs/results.md).
+whole grid longest-first), whose last group, where it has fewer blocks than there are SMs, takes in the group before
+it as causal_order.h's does (--no-merge: the pairs left over as a group of their own). It knows nothing of L2: groups
+exist because blocks running together share K and V (the forward) or Q and dO (the backward) there, which the
+measured numbers, not this model, decide (docs/results.md).
 
     python bench/block_order_model.py                     # both passes on the FA2 grid (B*T = 16k, hidden 2048)
     python bench/block_order_model.py --pass bwd --hdims 128 --seqlens 8192 --groups 1 4 32
+    python bench/block_order_model.py --pass bwd --hdims 80 --seqlens 4096 --groups 11 --overhead 2.4 --no-merge
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import sys
 TOKENS, HIDDEN = 16 * 1024, 2048  # the FA2 paper's grid, as bench/kernel.py
 # (block_m, block_n) of the Hopper kernels per pass and head dim: the forward's 128 query rows over 128 keys
 # (the tiles' ratio is what matters: a block's cost is counted in tiles), the backward's kBlockM x 128 keys
-# (hopper_bwd_traits.h: 64 query rows at hd128, 128 at hd64).
-BLOCKS = {("fwd", 64): (128, 128), ("fwd", 128): (128, 128), ("bwd", 64): (128, 128), ("bwd", 128): (64, 128)}
+# (hopper_bwd_traits.h: 64 query rows at hd65-128, 128 at hd64).
+BLOCKS = {("fwd", 64): (128, 128), ("fwd", 128): (128, 128), ("bwd", 64): (128, 128), ("bwd", 80): (64, 128),
+          ("bwd", 96): (64, 128), ("bwd", 128): (64, 128)}
 
 
 def block_costs(pass_: str, seqlen: int, block_m: int, block_n: int, overhead: float) -> list[float]:
@@ -40,14 +44,23 @@ def block_costs(pass_: str, seqlen: int, block_m: int, block_n: int, overhead: f
     return [n_q - j * block_n // block_m + overhead for j in range(-(-seqlen // block_n))]
 
 
-def launch_order(costs: list[float], pairs: int, group: int | None) -> list[float]:
-    """The blocks' costs in the order they start: the grid's own (group None), or longest first in groups of pairs."""
+def group_sizes(pairs: int, group: int, n_blocks: int, sms: int | None) -> list[int]:
+    """The pairs of each group of the longest-first order: `group` each, the pairs left over last; with `sms`, a last
+    group of fewer than `sms` blocks takes in the group before it (causal_order.h)."""
+    sizes = [group] * (pairs // group) + ([pairs % group] if pairs % group else [])
+    if sms is not None and len(sizes) > 1 and sizes[-1] * n_blocks < sms:
+        sizes[-2:] = [sizes[-2] + sizes[-1]]
+    return sizes
+
+
+def launch_order(costs: list[float], pairs: int, group: int | None, sms: int | None = None) -> list[float]:
+    """The blocks' costs in the order they start: the grid's own (group None), or longest first in groups of pairs
+    (group_sizes: the last group merged on `sms` SMs where it is short)."""
     if group is None:
         return costs * pairs
     longest_first = sorted(costs, reverse=True)
     order = []
-    for first in range(0, pairs, group):
-        in_group = min(group, pairs - first)
+    for in_group in group_sizes(pairs, group, len(costs), sms):
         for cost in longest_first:
             order += [cost] * in_group
     return order
@@ -61,33 +74,42 @@ def makespan_ratio(order: list[float], sms: int) -> float:
     return max(free_at) / (sum(order) / sms)
 
 
-def model(pass_: str, head_dim: int, seqlen: int, group: int | None, sms: int = 132, overhead: float = 1.0) -> float:
-    """makespan / ideal for the FA2 grid's shape at this T and head dim (B = 16k / T, H = 2048 / hd)."""
+def model(pass_: str, head_dim: int, seqlen: int, group: int | None, sms: int = 132, overhead: float = 1.0,
+          merge: bool = True) -> float:
+    """makespan / ideal for the FA2 grid's shape at this T and head dim (B = 16k / T, H = 2048 / hd); merge: the
+    last group as causal_order.h forms it, else the pairs left over as a group of their own."""
     block_m, block_n = BLOCKS[(pass_, head_dim)]
     pairs = max(1, TOKENS // seqlen) * (HIDDEN // head_dim)
-    return makespan_ratio(launch_order(block_costs(pass_, seqlen, block_m, block_n, overhead), pairs, group), sms)
+    costs = block_costs(pass_, seqlen, block_m, block_n, overhead)
+    return makespan_ratio(launch_order(costs, pairs, group, sms if merge else None), sms)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pass", dest="passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
-    p.add_argument("--hdims", nargs="+", type=int, choices=[64, 128], default=[64, 128])
+    p.add_argument("--hdims", nargs="+", type=int, choices=[64, 80, 96, 128], default=[64, 128],
+                   help="80 and 96: the backward only")
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--groups", nargs="+", type=int, default=[4, 16], help="pairs per group of the longest-first order")
     p.add_argument("--sms", type=int, default=132, help="SMs (H100 SXM: 132)")
     p.add_argument("--overhead", type=float, default=1.0, help="a block's fixed cost, in tiles")
+    p.add_argument("--no-merge", action="store_true", help="the last group as the pairs left over (before v49)")
     args = p.parse_args(argv)
     if any(g < 1 for g in args.groups) or args.sms < 1 or args.overhead < 0:
         p.error("--groups and --sms must be >= 1, --overhead >= 0")
+    if any((pass_, hd) not in BLOCKS for pass_ in args.passes for hd in args.hdims):
+        p.error("head dims 80 and 96: --pass bwd only")
     header = ["pass", "hd", "T", "B*H", "grid"] + [f"groups of {g}" for g in args.groups] + ["all longest-first"]
-    print("makespan / ideal (1.000 = perfect), greedy model, " f"{args.sms} SMs, overhead {args.overhead} tiles\n")
+    print("makespan / ideal (1.000 = perfect), greedy model, " f"{args.sms} SMs, overhead {args.overhead} tiles, "
+          f"{'no merged last group' if args.no_merge else 'a short last group merged'}\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for pass_ in args.passes:
         for hd in args.hdims:
             for t in args.seqlens:
                 pairs = max(1, TOKENS // t) * (HIDDEN // hd)
-                cells = [model(pass_, hd, t, g, args.sms, args.overhead) for g in [None, *args.groups, pairs]]
+                cells = [model(pass_, hd, t, g, args.sms, args.overhead, not args.no_merge)
+                         for g in [None, *args.groups, pairs]]
                 print(f"| {pass_} | {hd} | {t} | {pairs} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return 0
 

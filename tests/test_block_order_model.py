@@ -22,6 +22,15 @@ def test_orders():
     assert m.makespan_ratio([2.0] + [1.0] * 131, 132) == pytest.approx(2.0 / (133 / 132))
 
 
+def test_a_short_last_group_takes_in_the_one_before():
+    assert m.group_sizes(100, 11, 32, None) == [11] * 9 + [1]  # the pairs left over, a group of their own
+    assert m.group_sizes(100, 11, 32, 132) == [11] * 8 + [12]  # 1 pair x 32 blocks < 132 SMs: merged
+    assert m.group_sizes(84, 10, 32, 132) == [10] * 7 + [14]
+    assert m.group_sizes(64, 8, 32, 132) == [8] * 8  # 8 x 32 blocks: a wave, kept
+    assert m.group_sizes(5, 5, 2, 132) == [5]  # one group: nothing to merge into
+    assert m.launch_order([2.0, 1.0], 3, 2, sms=8) == [2, 2, 2, 1, 1, 1]  # 1 pair x 2 blocks < 8: one group of 3
+
+
 def test_the_numbers_causal_order_h_quotes():
     for t in (1024, 2048, 4096, 8192):
         assert 1.05 < m.model("bwd", 128, t, None) < 1.08  # hd128 backward, grid order: 5.8-7.1% above ideal
@@ -29,6 +38,9 @@ def test_the_numbers_causal_order_h_quotes():
         assert 1.06 < m.model("fwd", 128, t, None) < 1.08  # the forward, grid order (shortest first per head): 3-8%
         assert 1.03 < m.model("fwd", 64, t, None) < 1.04
         assert m.model("fwd", 128, t, 16) < 1.021  # longest-first in groups: within 2%
+    # the backward at hd80, 4k keys, 100 pairs in groups of 11, 2.4 tiles' fixed cost per block: 1.059 -> 1.010
+    assert m.model("bwd", 80, 4096, 11, overhead=2.4, merge=False) == pytest.approx(1.059, abs=5e-4)
+    assert m.model("bwd", 80, 4096, 11, overhead=2.4) == pytest.approx(1.010, abs=5e-4)
     pairs_8k = (16384 // 8192) * 16
     assert m.model("bwd", 128, 8192, 4) < 1.002 and m.model("bwd", 128, 8192, pairs_8k) < 1.003  # the groups at 8k
 

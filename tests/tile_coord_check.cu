@@ -2,12 +2,14 @@
 //   - FastDiv (flash_kernel/csrc/fast_div.h) against `/`: every divisor 1 .. 4096, and the powers of two and
 //     their neighbours up to 2^31 - 1, at dividends around multiples of the divisor up to 2^31 - 1;
 //   - fwd_tile_coord (fwd_tile_scheduler.h, on FastDiv) against the orders written out as loops: causal tiles go
-//     group by group, longest block first, the group's pairs in turn; non-causal tiles query block fastest. Every
-//     tile is checked, so the map is also a bijection onto the blocks that see a key;
+//     group by group, longest block first, the group's pairs in turn, a last group of fewer blocks than SMs merged
+//     into the one before; non-causal tiles query block fastest. Every tile is checked, so the
+//     map is also a bijection onto the blocks that see a key;
 //   - the blocks' rows (fwd_block_rows): each query row stored by one block, causal blocks ending at Tq, and m_first
 //     the blocks whose rows see no key, at 128 and 192 rows per block.
 //   - causal_bwd_tile_coord (causal_order.h, the Hopper causal backward) against its order as loops: group by
-//     group, key block 0 first, the group's pairs in turn; groups of one pair are the grid's own order.
+//     group, key block 0 first, the group's pairs in turn, the last group merged as above; groups of one pair with
+//     no SM count are the grid's own order.
 #include <cstdio>
 #include <vector>
 
@@ -18,6 +20,14 @@ using flash::BlockCoord;
 using flash::FastDiv;
 
 #define CHECK(cond, ...) HOST_CHECK("tile_coord", cond, __VA_ARGS__)
+
+// The first pair of the causal orders' last group, as causal_order.h states the rule: the pairs left over after whole
+// groups (a whole group if none are), and the group before them too where they hold fewer than `sms` blocks.
+static int last_group_first(int pairs, int group, int n_blocks, int sms) {
+    int first = (pairs - 1) / group * group;
+    if (first > 0 && (pairs - first) * n_blocks < sms) first -= group;
+    return first;
+}
 
 static void check_div(uint32_t d, uint32_t n) {
     const FastDiv f(d);
@@ -51,8 +61,9 @@ static void check_fast_div() {
     if (g_failures == before) std::printf("ok fast_div\n");
 }
 
-static flash::FwdParams params(int b, int h, int h_k, int tq, int tk, bool causal, int group) {
+static flash::FwdParams params(int b, int h, int h_k, int tq, int tk, bool causal, int group, int sms) {
     flash::FwdParams p{};
+    p.num_sms = sms;
     p.b = b;
     p.h = h;
     p.h_k = h_k;
@@ -102,11 +113,13 @@ static void check_order(const flash::FwdParams& p) {
     std::vector<BlockCoord> want;  // tile i's coordinates, in launch order
     const int pairs = p.h * p.b;
     if (kIsCausal) {
+        const int last_first = last_group_first(pairs, p.causal_group_heads, n_blocks - m_first, p.num_sms);
         for (int first = 0; first < pairs; first += p.causal_group_heads) {
-            const int last = first + p.causal_group_heads < pairs ? first + p.causal_group_heads : pairs;
+            const int last = first == last_first ? pairs : first + p.causal_group_heads;
             for (int block = n_blocks - 1; block >= m_first; --block) {
                 for (int pair = first; pair < last; ++pair) want.push_back({block, pair % p.h, pair / p.h});
             }
+            if (last == pairs) break;
         }
     } else {
         for (int pair = 0; pair < pairs; ++pair) {
@@ -129,16 +142,19 @@ static void check_order(const flash::FwdParams& p) {
 }
 
 // The causal backward's order over n_blocks key blocks per pair of a (n_blocks, h, b) grid, in groups of `group`.
-static void check_bwd_order(int b, int h, int n_blocks, int group) {
+static void check_bwd_order(int b, int h, int n_blocks, int group, int sms) {
     const int pairs = b * h;
+    const int last_first = last_group_first(pairs, group, n_blocks, sms);
     std::vector<BlockCoord> want;
     for (int first = 0; first < pairs; first += group) {
-        const int last = first + group < pairs ? first + group : pairs;
+        const int last = first == last_first ? pairs : first + group;
         for (int block = 0; block < n_blocks; ++block) {
             for (int pair = first; pair < last; ++pair) want.push_back({block, pair % h, pair / h});
         }
+        if (last == pairs) break;
     }
-    const auto order = flash::causal_order<flash::PlainDiv>(n_blocks, h, pairs, group);
+    CHECK(static_cast<int>(want.size()) == n_blocks * pairs, "%zu tiles written out", want.size());
+    const auto order = flash::causal_order<flash::PlainDiv>(n_blocks, h, pairs, group, sms);
     for (int tile = 0; tile < n_blocks * pairs; ++tile) {
         const BlockCoord c = flash::causal_bwd_tile_coord(tile, order);
         const BlockCoord w = want[tile];
@@ -147,7 +163,7 @@ static void check_bwd_order(int b, int h, int n_blocks, int group) {
         CHECK(c.block == w.block && c.head == w.head && c.batch == w.batch,
               "backward b %d h %d n_blocks %d group %d: tile %d -> (%d, %d, %d), not (%d, %d, %d)", b, h, n_blocks,
               group, tile, c.block, c.head, c.batch, w.block, w.head, w.batch);
-        if (group == 1) {
+        if (group == 1 && sms == 0) {
             CHECK(c.block == grid.block && c.head == grid.head && c.batch == grid.batch, "group 1, tile %d", tile);
         }
     }
@@ -163,11 +179,13 @@ int main() {
                     for (int tk : {1, 300, 2048}) {
                         for (int group : {1, 2, 3, 7, 16, b * h}) {
                             if (group > b * h) continue;
-                            check_order<128, true>(params(b, h, h_k, tq, tk, true, group));
-                            check_order<192, true>(params(b, h, h_k, tq, tk, true, group));  // three warpgroups
+                            for (int sms : {0, 1, 4, 132}) {
+                                check_order<128, true>(params(b, h, h_k, tq, tk, true, group, sms));
+                                check_order<192, true>(params(b, h, h_k, tq, tk, true, group, sms));  // 3 warpgroups
+                            }
                         }
-                        check_order<128, false>(params(b, h, h_k, tq, tk, false, 0));
-                        check_order<192, false>(params(b, h, h_k, tq, tk, false, 0));
+                        check_order<128, false>(params(b, h, h_k, tq, tk, false, 0, 132));
+                        check_order<192, false>(params(b, h, h_k, tq, tk, false, 0, 132));
                     }
                 }
             }
@@ -177,7 +195,9 @@ int main() {
         for (int h : {1, 3, 16}) {
             for (int n_blocks : {1, 2, 17, 64}) {
                 for (int group : {1, 2, 3, 7, 16, b * h}) {
-                    if (group <= b * h) check_bwd_order(b, h, n_blocks, group);
+                    for (int sms : {0, 1, 4, 132}) {
+                        if (group <= b * h) check_bwd_order(b, h, n_blocks, group, sms);
+                    }
                 }
             }
         }

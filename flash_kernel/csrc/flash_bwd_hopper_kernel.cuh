@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
     // Causal: from 2048 keys, longest key blocks first, (batch, head) pairs in L2-sized groups (causal_order.h).
-    const BlockCoord coord = bwd_block_coord<kIsCausal>(params.bwd_causal_group);
+    const BlockCoord coord = bwd_block_coord<kIsCausal>(params.bwd_causal_group, params.num_sms);
     const int n_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     // FLASH_BWD_TRACE: thread 0 stamps the prologue's loads landed, the loop's start and end, the dK / dV stores and

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // first (the longest ones when causal).
     const BlockCoord coord = kVarlenWindow ? BlockCoord{static_cast<int>(gridDim.x - 1 - blockIdx.x),
                                                         static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)}
-                                           : fwd_block_coord<kIsCausal>(params.causal_group_heads);
+                                           : fwd_block_coord<kIsCausal>(params.causal_group_heads, params.num_sms);
     const int m_block = coord.block, bidh = coord.head, bidb = coord.batch;
     const int tid = threadIdx.x;
     const int warp = tid / kWarpSize;

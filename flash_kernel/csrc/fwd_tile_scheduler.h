@@ -64,7 +64,8 @@ inline FwdTiles fwd_tiles(const FwdParams& p) {
     t.m_first = p.is_causal ? std::max(0, t.n_blocks - ceil_div(p.seqlen_k, kBlockM)) : 0;
     t.num_tiles = (t.n_blocks - t.m_first) * p.h * p.b;
     t.num_empty = t.m_first * p.h * p.b;
-    t.causal = causal_order<FastDiv>(t.n_blocks - t.m_first, p.h, p.h * p.b, p.is_causal ? p.causal_group_heads : 1);
+    t.causal = p.is_causal ? causal_order<FastDiv>(t.n_blocks - t.m_first, p.h, p.h * p.b, p.causal_group_heads, p.num_sms)
+                           : causal_order<FastDiv>(t.n_blocks, p.h, p.h * p.b, 1);
     t.blocks = FastDiv(t.n_blocks);
     t.heads = FastDiv(p.h);
     t.q_per_kv_head = FastDiv(p.h_h_k_ratio);
