@@ -41,6 +41,9 @@ def test_the_numbers_causal_order_h_quotes():
     # the backward at hd80, 4k keys, 100 pairs in groups of 11, 2.4 tiles' fixed cost per block: 1.059 -> 1.010
     assert m.model("bwd", 80, 4096, 11, overhead=2.4, merge=False) == pytest.approx(1.059, abs=5e-4)
     assert m.model("bwd", 80, 4096, 11, overhead=2.4) == pytest.approx(1.010, abs=5e-4)
+    # the causal forward at hd96, 8k keys, groups of 5 (results.md section 41): 1.082 -> 1.011
+    assert m.model("fwd", 96, 8192, 5, merge=False) == pytest.approx(1.082, abs=5e-4)
+    assert m.model("fwd", 96, 8192, 5) == pytest.approx(1.011, abs=5e-4)
     pairs_8k = (16384 // 8192) * 16
     assert m.model("bwd", 128, 8192, 4) < 1.002 and m.model("bwd", 128, 8192, pairs_8k) < 1.003  # the groups at 8k
 
