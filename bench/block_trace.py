@@ -15,6 +15,7 @@ once traced, and reports:
 
     FLASH_KERNEL_NVCC_EXTRA=-DFLASH_BWD_TRACE=1 python -m flash_kernel.build --out flash_kernel/_candidate_trace
     python bench/block_trace.py --ext flash_kernel/_candidate_trace/_C*.so --hdim 80 --seqlen 4096 --causal 1
+    python bench/block_trace.py --from-json bench/results/stage3_rounds/v49/block_traces/trace_hd80_T4096_c1.json.gz
 
 The stamps hold a few registers across the loop (no spills at the head dims built): the loop's own cycles may differ
 a little from the default build's; the phases around it are what this is for.
@@ -23,6 +24,7 @@ a little from the default build's; the phases around it are what this is for.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -66,8 +68,11 @@ def summarize(rows: list[dict]) -> dict:
     mx = trips / n
     my = total / n
     sxx = sum((r["trips"] - mx) ** 2 for r in worked)
-    b = sum((r["trips"] - mx) * (r["exit"] - my) for r in worked) / sxx if sxx > 0 else float("nan")
-    a = my - b * mx
+    fit = None  # every block the same trips (a non-causal grid): no line to fit
+    if sxx > 0:
+        b = sum((r["trips"] - mx) * (r["exit"] - my) for r in worked) / sxx
+        a = my - b * mx
+        fit = {"fixed_cycles": a, "cycles_per_trip": b, "fixed_in_trips": a / b if b else None}
     ghz = sorted(r["exit"] / (r["exit_ns"] - r["start_ns"]) for r in worked if r["exit_ns"] > r["start_ns"])
     # SM timelines
     span0 = min(r["start_ns"] for r in rows)
@@ -92,7 +97,7 @@ def summarize(rows: list[dict]) -> dict:
         "cycles_per_trip": per_trip,
         "fixed_cycles_per_block": fixed,
         "fixed_in_trips": fixed / per_trip if per_trip else None,
-        "fit": {"fixed_cycles": a, "cycles_per_trip": b, "fixed_in_trips": a / b if b else None},
+        "fit": fit,
         "sms": len(by_sm),
         "span_us": (span1 - span0) / 1e3,
         "sm_time_share": {"blocks": busy / sm_time, "between blocks": between / sm_time,
@@ -107,10 +112,14 @@ def report(case: str, s: dict) -> str:
              "", "| phase | share of the blocks' cycles |", "|---|---|"]
     lines += [f"| {name} | {share * 100:.1f}% |" for name, share in s["phase_share"].items()]
     fit = s["fit"]
-    lines += ["", f"cycles per loop trip {s['cycles_per_trip']:.0f}; outside the loop {s['fixed_cycles_per_block']:.0f}"
-              f" per block = {s['fixed_in_trips']:.2f} trips; least squares over the blocks: "
-              f"{fit['fixed_cycles']:.0f} + {fit['cycles_per_trip']:.0f} x trips ({fit['fixed_in_trips']:.2f} trips)",
-              "", "| SM time | share of SMs x span |", "|---|---|"]
+    line = (f"cycles per loop trip {s['cycles_per_trip']:.0f}; outside the loop {s['fixed_cycles_per_block']:.0f} per "
+            f"block = {s['fixed_in_trips']:.2f} trips; least squares over the blocks: ")
+    if fit is None:
+        line += "none (every block runs the same trips)"
+    else:
+        line += (f"{fit['fixed_cycles']:.0f} + {fit['cycles_per_trip']:.0f} x trips "
+                 f"({fit['fixed_in_trips']:.2f} trips)")
+    lines += ["", line, "", "| SM time | share of SMs x span |", "|---|---|"]
     lines += [f"| {name} | {share * 100:.1f}% |" for name, share in s["sm_time_share"].items()]
     return "\n".join(lines)
 
@@ -136,25 +145,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ext", required=True, help="a build with -DFLASH_BWD_TRACE=1 (python -m flash_kernel.build --out)")
-    p.add_argument("--hdim", type=int, default=80)
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--causal", type=int, choices=[0, 1], default=1)
-    p.add_argument("--out", type=Path, help="write the summary and the blocks' rows here (JSON)")
-    p.add_argument("--plot", type=Path, help="draw the SMs' timelines here (PNG)")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
-
-    module = load_extension(args.ext)
-    batch, heads = shape_for(args.seqlen, args.hdim)
-    blocks = batch * heads * -(-args.seqlen // 64)  # at least the grid: no backward block is narrower than 64 keys
+def trace(ext: str, hdim: int, seqlen: int, causal: bool) -> tuple[str, list[dict]]:
+    """Run the case once to warm up and once traced on the build in `ext`; returns its name and the blocks' rows."""
+    module = load_extension(ext)
+    batch, heads = shape_for(seqlen, hdim)
+    blocks = batch * heads * -(-seqlen // 64)  # at least the grid: no backward block is narrower than 64 keys
     buffer = torch.zeros(blocks, len(COLUMNS), dtype=torch.int64, device="cuda")
     with using_extension(module):
-        (q, k, v, do), fn, context = make_method("ours", batch, heads, args.seqlen, args.hdim, bool(args.causal),
-                                                 torch.bfloat16, "bthd")
+        (q, k, v, do), fn, context = make_method("ours", batch, heads, seqlen, hdim, causal, torch.bfloat16, "bthd")
         for traced in (False, True):
             with context():
                 o = fn()
@@ -167,14 +165,45 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     rows = [dict(zip(COLUMNS, r)) for r in buffer.tolist() if r[6] != 0]  # exit_ns: the rows the kernel wrote
     if not rows:
-        raise SystemExit(f"{args.ext} wrote no stamps: build it with FLASH_KERNEL_NVCC_EXTRA=-DFLASH_BWD_TRACE=1 "
+        raise SystemExit(f"{ext} wrote no stamps: build it with FLASH_KERNEL_NVCC_EXTRA=-DFLASH_BWD_TRACE=1 "
                          "(and run on a Hopper GPU, whose backward is the traced kernel)")
-    case = f"hd{args.hdim} {'causal' if args.causal else 'non-causal'} T={args.seqlen} B={batch} H={heads} backward"
+    case = f"hd{hdim} {'causal' if causal else 'non-causal'} T={seqlen} B={batch} H={heads} backward"
+    return case, rows
+
+
+def load(path: Path) -> tuple[str, list[dict]]:
+    """A trace that --out saved (gzipped or not): its case and the blocks' rows."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        saved = json.load(f)
+    return saved["case"], [dict(zip(saved["columns"], r)) for r in saved["rows"]]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ext", help="a build with -DFLASH_BWD_TRACE=1 (python -m flash_kernel.build --out)")
+    p.add_argument("--from-json", type=Path, help="report a trace that --out saved (.json or .json.gz): no GPU needed")
+    p.add_argument("--hdim", type=int, default=80)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--causal", type=int, choices=[0, 1], default=1)
+    p.add_argument("--out", type=Path, help="write the summary and the blocks' rows here (JSON)")
+    p.add_argument("--plot", type=Path, help="draw the SMs' timelines here (PNG)")
+    args = p.parse_args(argv)
+    if (args.ext is None) == (args.from_json is None):
+        p.error("give --ext (trace a case on a GPU) or --from-json (report a saved trace)")
+    if args.from_json is not None:
+        case, rows = load(args.from_json)
+        device = None
+    else:
+        if not torch.cuda.is_available():
+            p.error("--ext needs a CUDA GPU")
+        case, rows = trace(args.ext, args.hdim, args.seqlen, bool(args.causal))
+        device = torch.cuda.get_device_name()
     summary = summarize(rows)
     print(report(case, summary))
     if args.out:
-        args.out.write_text(json.dumps({"case": case, "device": torch.cuda.get_device_name(), "summary": summary,
-                                        "columns": COLUMNS, "rows": [[r[c] for c in COLUMNS] for r in rows]}) + "\n")
+        args.out.write_text(json.dumps({"case": case, "device": device, "summary": summary, "columns": COLUMNS,
+                                        "rows": [[r[c] for c in COLUMNS] for r in rows]}) + "\n")
     if args.plot:
         plot(rows, args.plot, case)
     return 0

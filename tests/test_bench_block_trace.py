@@ -1,5 +1,8 @@
 """bench/block_trace.py's accounting of the traced blocks, on rows made up here (no GPU)."""
 
+import gzip
+import json
+
 import pytest
 
 from bench import block_trace as bt
@@ -41,6 +44,7 @@ def test_sm_time_between_blocks_and_after_the_last():
     for r in rows:
         r["trips"] = 1  # one trip of no cycles: the blocks count as working blocks
     s = bt.summarize(rows)
+    assert s["fit"] is None  # every block one trip: no line to fit
     assert s["span_us"] == pytest.approx(2.5)
     share = s["sm_time_share"]
     assert share["blocks"] == pytest.approx(3000 / 5000)
@@ -53,3 +57,44 @@ def test_sm_time_between_blocks_and_after_the_last():
 def test_no_working_block_is_an_error():
     with pytest.raises(ValueError, match="no block ran a loop trip"):
         bt.summarize([_row(0, 0, 0)])
+
+
+def _saved(path, rows, case="hd80 causal T=4096 B=4 H=25 backward"):
+    """rows as --out saves them (gzipped where the name ends in .gz)."""
+    text = json.dumps({"case": case, "device": None, "columns": bt.COLUMNS,
+                       "rows": [[r[c] for c in bt.COLUMNS] for r in rows]})
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["trace.json", "trace.json.gz"])
+def test_a_saved_trace_is_reported_without_a_gpu(tmp_path, capsys, name):
+    rows = [_row(sm, 0, trips) for sm, trips in enumerate([2, 10, 30, 64])]
+    path = _saved(tmp_path / name, rows)
+    again, figure = tmp_path / "again.json", tmp_path / "t.png"
+    assert bt.main(["--from-json", str(path), "--out", str(again), "--plot", str(figure)]) == 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "## hd80 causal T=4096 B=4 H=25 backward" in out
+    assert "cycles per loop trip 200; outside the loop 1000 per block = 5.00 trips" in out
+    assert "1000 + 200 x trips (5.00 trips)" in out
+    saved = json.loads(again.read_text())
+    assert saved["rows"] == [[r[c] for c in bt.COLUMNS] for r in rows]
+    assert saved["summary"]["fixed_in_trips"] == pytest.approx(5)
+
+
+def test_a_grid_of_equal_blocks_reports_no_fit(tmp_path, capsys):
+    path = _saved(tmp_path / "t.json", [_row(sm, 0, 8) for sm in range(4)], case="non-causal")
+    assert bt.main(["--from-json", str(path)]) == 0
+    assert "least squares over the blocks: none (every block runs the same trips)" in capsys.readouterr().out
+
+
+def test_one_source_of_stamps(tmp_path):
+    with pytest.raises(SystemExit):
+        bt.main([])  # neither a build to trace nor a saved trace
+    with pytest.raises(SystemExit):
+        bt.main(["--ext", "x.so", "--from-json", str(tmp_path / "t.json")])
