@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--groups", nargs="+", type=int, default=[4, 16], help="pairs per group of the longest-first order")
     p.add_argument("--sms", type=int, default=132, help="SMs (H100 SXM: 132)")
     p.add_argument("--overhead", type=float, default=1.0, help="a block's fixed cost, in tiles")
-    p.add_argument("--no-merge", action="store_true", help="the last group as the pairs left over (before v49)")
+    p.add_argument("--no-merge", action="store_true", help="the pairs left over as a last group of their own, however short")
     args = p.parse_args(argv)
     if any(g < 1 for g in args.groups) or args.sms < 1 or args.overhead < 0:
         p.error("--groups and --sms must be >= 1, --overhead >= 0")
