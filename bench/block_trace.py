@@ -11,7 +11,13 @@ once traced, and reports:
 - the cycles per loop trip and each block's fixed cost (its cycles outside the loop) in trips' worth, also as the
   intercept of a least-squares line through (trips, cycles);
 - from the global timer, the SMs' time between one block's exit and the next one's start, and after their last
-  block: the share of the kernel's span that runs no block.
+  block: the share of the kernel's span that runs no block;
+- what a persistent kernel could make of the same blocks (persistent_model): the blocks replayed in the order they
+  started onto as many SMs, each taken by the first SM free, with each block's cycles as traced, less its prologue
+  where the schedule loads it while the SM's block before it runs: under that block's epilogue (loads issued as
+  its loop ends), or wholly (loads issued during its last trips, into a second K / V buffer); and, as a bound, with
+  nothing outside the loop but each SM's first block's. The replay has no gaps between blocks (the SM time
+  "between blocks" above comes on top).
 
     FLASH_KERNEL_NVCC_EXTRA=-DFLASH_BWD_TRACE=1 python -m flash_kernel.build --out flash_kernel/_candidate_trace
     python bench/block_trace.py --ext flash_kernel/_candidate_trace/_C*.so --hdim 80 --seqlen 4096 --causal 1
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import heapq
 import json
 import sys
 from pathlib import Path
@@ -102,7 +109,36 @@ def summarize(rows: list[dict]) -> dict:
         "span_us": (span1 - span0) / 1e3,
         "sm_time_share": {"blocks": busy / sm_time, "between blocks": between / sm_time,
                           "before the first block": before / sm_time, "after the last block": after / sm_time},
+        "persistent_model": persistent_model(rows),
     }
+
+
+# (name, a block's cycles given the block before it on its SM: None for the SM's first)
+SCHEDULES = [
+    ("one block per tile, as traced", lambda b, prev: b["exit"]),
+    ("persistent, the next tile's loads under the epilogue",
+     lambda b, prev: b["exit"] - (min(b["loaded"], prev["exit"] - prev["loop_end"]) if prev else 0)),
+    ("persistent, the next tile's loads landed before it starts", lambda b, prev: b["exit"] - (b["loaded"] if prev else 0)),
+    ("bound: the loop alone after each SM's first block",
+     lambda b, prev: b["loop_end"] - b["loop_start"] if prev else b["exit"]),
+]
+
+
+def persistent_model(rows: list[dict]) -> dict:
+    """The makespan (cycles) of each of SCHEDULES, replaying the blocks in the order they started onto as many SMs as
+    ran them, each block to the SM free first; and each one's speed-up over the first."""
+    order = sorted(rows, key=lambda r: (r["start_ns"], r["sm"]))
+    sms = len({r["sm"] for r in rows})
+    makespans = {}
+    for name, cycles in SCHEDULES:
+        free = [(0, i, None) for i in range(sms)]  # (free at, SM, its last block)
+        heapq.heapify(free)
+        for block in order:
+            at, sm, prev = heapq.heappop(free)
+            heapq.heappush(free, (at + cycles(block, prev), sm, block))
+        makespans[name] = max(at for at, _, _ in free)
+    base = makespans[SCHEDULES[0][0]]
+    return {"makespan_cycles": makespans, "speedup": {name: base / m for name, m in makespans.items()}}
 
 
 def report(case: str, s: dict) -> str:
@@ -121,6 +157,10 @@ def report(case: str, s: dict) -> str:
                  f"({fit['fixed_in_trips']:.2f} trips)")
     lines += ["", line, "", "| SM time | share of SMs x span |", "|---|---|"]
     lines += [f"| {name} | {share * 100:.1f}% |" for name, share in s["sm_time_share"].items()]
+    model = s["persistent_model"]
+    lines += ["", "| the same blocks replayed (persistent_model) | makespan, k cycles | speed-up |", "|---|---|---|"]
+    lines += [f"| {name} | {model['makespan_cycles'][name] / 1e3:.0f} | {model['speedup'][name]:.3f} |"
+              for name in model["makespan_cycles"]]
     return "\n".join(lines)
 
 
