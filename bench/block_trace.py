@@ -158,6 +158,10 @@ def report(case: str, s: dict) -> str:
     lines += ["", line, "", "| SM time | share of SMs x span |", "|---|---|"]
     lines += [f"| {name} | {share * 100:.1f}% |" for name, share in s["sm_time_share"].items()]
     model = s["persistent_model"]
+    if s["sm_ghz"]:  # the replay as traced beside the traced span, in cycles
+        share = model["makespan_cycles"][SCHEDULES[0][0]] / (s["span_us"] * 1e3 * s["sm_ghz"])
+        lines += ["", f"The replay of the blocks as traced takes {share * 100:.1f}% of the traced span (it has no gaps "
+                  "between blocks, and it takes them in the order they started)."]
     lines += ["", "| the same blocks replayed (persistent_model) | makespan, k cycles | speed-up |", "|---|---|---|"]
     lines += [f"| {name} | {model['makespan_cycles'][name] / 1e3:.0f} | {model['speedup'][name]:.3f} |"
               for name in model["makespan_cycles"]]

@@ -120,8 +120,11 @@ def test_the_persistent_replay_hides_what_each_schedule_loads_ahead():
 
 
 def test_the_report_shows_the_replay(tmp_path, capsys):
-    path = _saved(tmp_path / "t.json", [_row(sm % 2, sm, 8) for sm in range(4)], case="non-causal")
+    # Two SMs, two blocks of 2600 cycles (1300 ns) each, back to back: the replay as traced fills the span.
+    rows = [_row(sm, start, 8) for start in (0, 1300) for sm in (0, 1)]
+    path = _saved(tmp_path / "t.json", rows, case="non-causal")
     assert bt.main(["--from-json", str(path)]) == 0
     out = capsys.readouterr().out
+    assert "The replay of the blocks as traced takes 100.0% of the traced span" in out
     assert "| one block per tile, as traced | 5 | 1.000 |" in out  # two blocks of 2600 cycles per SM
     assert "| bound: the loop alone after each SM's first block | 4 | 1.238 |" in out  # 2600 + 1600
