@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import sys
+from typing import Callable
 
 TOKENS, HIDDEN = 16 * 1024, 2048  # the FA2 paper's grid, as bench/kernel.py
 # (block_m, block_n) of the Hopper kernels per pass and head dim (the tiles' ratio is what matters: a block's cost is
@@ -67,12 +68,20 @@ def launch_order(costs: list[float], pairs: int, group: int | None, sms: int | N
     return order
 
 
+def greedy_makespan(blocks: list, sms: int, cost: Callable | None = None) -> float:
+    """Greedy list schedule of `blocks`, in order, on `sms` SMs that run one block each at a time: each block goes to
+    the SM free first (the lower-numbered on a tie) and takes cost(block, the SM's block before it, or None), or the
+    block itself as its cost where `cost` is None. Returns the makespan."""
+    free = [(0, sm, None) for sm in range(sms)]  # (free at, SM, its last block): a heap already
+    for block in blocks:
+        at, sm, prev = heapq.heappop(free)
+        heapq.heappush(free, (at + (block if cost is None else cost(block, prev)), sm, block))
+    return max(at for at, _, _ in free)
+
+
 def makespan_ratio(order: list[float], sms: int) -> float:
     """Greedy list schedule on `sms` SMs, one block each at a time: makespan over the ideal (total / sms)."""
-    free_at = [0.0] * sms
-    for cost in order:
-        heapq.heappush(free_at, heapq.heappop(free_at) + cost)
-    return max(free_at) / (sum(order) / sms)
+    return greedy_makespan(order, sms) / (sum(order) / sms)
 
 
 def model(pass_: str, head_dim: int, seqlen: int, group: int | None, sms: int = 132, overhead: float = 1.0,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import heapq
 import json
 import sys
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.block_order_model import greedy_makespan  # noqa: E402
 from bench.kernel import make_method, shape_for  # noqa: E402
 from flash_kernel.interface import load_extension, using_extension  # noqa: E402
 
@@ -129,14 +129,7 @@ def persistent_model(rows: list[dict]) -> dict:
     ran them, each block to the SM free first; and each one's speed-up over the first."""
     order = sorted(rows, key=lambda r: (r["start_ns"], r["sm"]))
     sms = len({r["sm"] for r in rows})
-    makespans = {}
-    for name, cycles in SCHEDULES:
-        free = [(0, i, None) for i in range(sms)]  # (free at, SM, its last block)
-        heapq.heapify(free)
-        for block in order:
-            at, sm, prev = heapq.heappop(free)
-            heapq.heappush(free, (at + cycles(block, prev), sm, block))
-        makespans[name] = max(at for at, _, _ in free)
+    makespans = {name: greedy_makespan(order, sms, cycles) for name, cycles in SCHEDULES}
     base = makespans[SCHEDULES[0][0]]
     return {"makespan_cycles": makespans, "speedup": {name: base / m for name, m in makespans.items()}}
 
