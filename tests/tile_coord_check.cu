@@ -3,8 +3,8 @@
 //     their neighbours up to 2^31 - 1, at dividends around multiples of the divisor up to 2^31 - 1;
 //   - fwd_tile_coord (fwd_tile_scheduler.h, on FastDiv) against the orders written out as loops: causal tiles go
 //     group by group, longest block first, the group's pairs in turn, a last group of fewer blocks than SMs merged
-//     into the one before; non-causal tiles query block fastest. Every tile is checked, so the
-//     map is also a bijection onto the blocks that see a key;
+//     into the one before; non-causal tiles query block fastest. Every tile is checked, so the map is also a
+//     bijection onto the blocks that see a key;
 //   - the blocks' rows (fwd_block_rows): each query row stored by one block, causal blocks ending at Tq, and m_first
 //     the blocks whose rows see no key, at 128 and 192 rows per block.
 //   - causal_bwd_tile_coord (causal_order.h, the Hopper causal backward) against its order as loops: group by
