@@ -1,0 +1,170 @@
+"""Two builds' kernels side by side, instruction by instruction, read statically from their SASS: which kernels a
+source change left as they were, and how far the others moved, without a GPU.
+
+Each input is what bench/sass_mix.py reads: a cubin, an object or shared library with embedded cubins, a PTX file, or
+SASS text that `cuobjdump -sass` printed. Kernels pair by name without their parameter list (c++filt's reading; by
+the mangled name where c++filt is missing), so a kernel that gains a parameter keeps its pair. Each pair is one of:
+
+  - identical: the same instructions, registers and branch targets;
+  - renamed: the same program once registers (R, UR, P, UP, B) are numbered in order of first use and branch targets
+    become labels: another register allocation of the same code;
+  - N lines apart: the size of a line diff of the two listings with registers erased and branch targets as labels
+    (a moved instruction counts twice, once each side), with the first --show of those lines.
+
+    python bench/sass_diff.py old=.baseline_build/flash_bwd_hdim128_bf16.cubin new=build/flash_bwd_hdim128_bf16.cubin
+    python bench/sass_diff.py old.so new.so --kernel 'flash_bwd_hopper_kernel' --show 40 --check
+
+--check exits 1 where a pair is neither identical nor renamed, or a kernel has no pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    from bench import sass_mix
+except ImportError:  # run as a script: bench/ is on sys.path
+    import sass_mix
+
+# Registers by class: general (R), uniform (UR), predicate (P, UP) and convergence barrier (B); RZ, URZ, PT and UPT are
+# constants and stay as they are.
+REGISTER = re.compile(r"\b(UR|R|UP|P|B)(\d+)\b")
+ADDRESS = re.compile(r"\b0x[0-9a-f]+\b")
+# Instructions whose hexadecimal operands are code addresses.
+CONTROL = re.compile(r"^(?:@!?U?P[T0-9]+\s+)?(BRA|BRX|JMP|JMX|CALL|BSSY|BREAK|BPT|RET|WARPSYNC)\b")
+
+
+@dataclass
+class Listing:
+    """One function: its mangled name, readable name and instructions (address, text with its predicate)."""
+
+    name: str
+    readable: str
+    code: list[tuple[int, str]]
+
+
+def parse(text: str) -> list[tuple[str, list[tuple[int, str]]]]:
+    """(mangled name, [(address, instruction)]) per function of a `cuobjdump -sass` listing; predicates kept."""
+    functions: list[tuple[str, list[tuple[int, str]]]] = []
+    for line in text.splitlines():
+        if m := sass_mix.FUNCTION.match(line):
+            functions.append((m.group(1), []))
+        elif (m := sass_mix.LINE.match(line)) and functions:
+            functions[-1][1].append((int(m.group(1), 16), " ".join(m.group(2).split())))
+    return functions
+
+
+def labelled(code: list[tuple[int, str]]) -> list[str]:
+    """The instructions with every branch target as a label: `Lk:` before the instruction it names (k by address
+    order) and `Lk` in place of the address in the instructions that jump there."""
+    addresses = {address for address, _ in code}
+    targets = sorted({int(a, 16) for _, text in code if CONTROL.match(text) for a in ADDRESS.findall(text)
+                      if int(a, 16) in addresses})
+    label = {address: f"L{k}" for k, address in enumerate(targets)}
+    out = []
+    for address, text in code:
+        if address in label:
+            out.append(f"{label[address]}:")
+        if CONTROL.match(text):
+            text = ADDRESS.sub(lambda m: label.get(int(m.group(0), 16), m.group(0)), text)
+        out.append(text)
+    return out
+
+
+def renamed(lines: list[str]) -> list[str]:
+    """Registers numbered per class in order of first use: R7, R3, R7 -> R0, R1, R0."""
+    names: dict[str, dict[str, str]] = {}
+
+    def rename(m: re.Match) -> str:
+        seen = names.setdefault(m.group(1), {})
+        return seen.setdefault(m.group(0), f"{m.group(1)}{len(seen)}")
+    return [REGISTER.sub(rename, line) for line in lines]
+
+
+def erased(lines: list[str]) -> list[str]:
+    """Registers erased (each class to its letter): what remains is the instruction stream and its constants."""
+    return [REGISTER.sub(lambda m: m.group(1), line) for line in lines]
+
+
+@dataclass
+class Comparison:
+    key: str
+    old: Listing | None
+    new: Listing | None
+    verdict: str       # identical, renamed, "N lines apart", only in old / new
+    diff: list[str]    # the line diff of the erased listings (empty where identical or renamed)
+
+
+def compare(key: str, old: Listing | None, new: Listing | None) -> Comparison:
+    if old is None or new is None:
+        return Comparison(key, old, new, "only in new" if old is None else "only in old", [])
+    a, b = labelled(old.code), labelled(new.code)
+    if a == b:
+        return Comparison(key, old, new, "identical", [])
+    if renamed(a) == renamed(b):
+        return Comparison(key, old, new, "renamed", [])
+    diff = [line for line in difflib.unified_diff(erased(a), erased(b), "old", "new", n=0, lineterm="")
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return Comparison(key, old, new, f"{len(diff)} line{'' if len(diff) == 1 else 's'} apart", diff)
+
+
+def listings(path: Path, pattern: str) -> dict[str, Listing]:
+    """The functions of one input whose mangled or readable name matches `pattern`, keyed by the readable name."""
+    if not path.exists():
+        raise SystemExit(f"sass_diff: {path}: no such file")
+    functions = parse(sass_mix.sass_text(path))
+    readable = sass_mix.demangle([name for name, _ in functions])
+    found = {}
+    for (name, code), nice in zip(functions, readable):
+        if re.search(pattern, name) or re.search(pattern, nice):
+            found[nice] = Listing(name, nice, code)
+    return found
+
+
+def pairs(old: dict[str, Listing], new: dict[str, Listing]) -> list[Comparison]:
+    keys = list(old) + [k for k in new if k not in old]
+    return [compare(k, old.get(k), new.get(k)) for k in keys]
+
+
+def report(comparisons: list[Comparison], labels: tuple[str, str], show: int) -> str:
+    """Markdown: one row per kernel, then the first `show` differing lines of each pair that differs."""
+    lines = [f"| kernel | {labels[0]} instructions | {labels[1]} instructions | |", "|---|---|---|---|"]
+    for c in comparisons:
+        count = [str(len(x.code)) if x else "-" for x in (c.old, c.new)]
+        lines.append(f"| `{c.key}` | {count[0]} | {count[1]} | {c.verdict} |")
+    for c in comparisons:
+        if c.diff and show > 0:
+            lines += ["", f"`{c.key}` (- {labels[0]}, + {labels[1]}):", "```", *c.diff[:show]]
+            if len(c.diff) > show:
+                lines.append(f"... {len(c.diff) - show} more")
+            lines.append("```")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old", metavar="[LABEL=]OLD", help="cubin, .o, .so, .ptx or cuobjdump's .sass text")
+    p.add_argument("new", metavar="[LABEL=]NEW")
+    p.add_argument("--kernel", default=".", metavar="REGEX", help="the kernels to compare (default: all)")
+    p.add_argument("--show", type=int, default=20, help="differing lines printed per pair (default 20)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 where a pair is neither identical nor renamed, or a kernel has no pair")
+    args = p.parse_args(argv)
+    specs = [s.rpartition("=") if "=" in s else ("", "", s) for s in (args.old, args.new)]
+    labels = tuple(label or default for (label, _, _), default in zip(specs, ("old", "new")))
+    found = [listings(Path(path), args.kernel) for _, _, path in specs]
+    if not found[0] and not found[1]:
+        raise SystemExit(f"sass_diff: no kernel matches {args.kernel!r}")
+    comparisons = pairs(*found)
+    print(report(comparisons, labels, args.show))
+    moved = [c for c in comparisons if c.verdict not in ("identical", "renamed")]
+    return 1 if args.check and moved else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
