@@ -11,8 +11,11 @@ the mangled name where c++filt is missing), so a kernel that gains a parameter k
   - N lines apart: the size of a line diff of the two listings with registers erased and branch targets as labels
     (a moved instruction counts twice, once each side), with the first --show of those lines.
 
-    python bench/sass_diff.py old=.baseline_build/flash_bwd_hdim128_bf16.cubin new=build/flash_bwd_hdim128_bf16.cubin
-    python bench/sass_diff.py old.so new.so --kernel 'flash_bwd_hopper_kernel' --show 40 --check
+    # one .cu file of each tree, compiled as the build compiles it (no torch needed), then compared
+    nvcc -cubin -O3 -std=c++17 --use_fast_math -gencode arch=compute_90a,code=sm_90a -DFLASH_KERNEL_SM90A \\
+        -I flash_kernel/csrc flash_kernel/csrc/flash_bwd_hdim128_bf16.cu -o new.cubin    # and old.cubin in the other
+    python bench/sass_diff.py v49=old.cubin v51=new.cubin --kernel flash_bwd_hopper_kernel --show 40 --check
+    python bench/sass_diff.py flash_kernel/_candidate/_C*.so flash_kernel/_C*.so --kernel hopper
 
 --check exits 1 where a pair is neither identical nor renamed, or a kernel has no pair.
 """
