@@ -53,13 +53,7 @@ class Listing:
 
 def parse(text: str) -> list[tuple[str, list[tuple[int, str]]]]:
     """(mangled name, [(address, instruction)]) per function of a `cuobjdump -sass` listing; predicates kept."""
-    functions: list[tuple[str, list[tuple[int, str]]]] = []
-    for line in text.splitlines():
-        if m := sass_mix.FUNCTION.match(line):
-            functions.append((m.group(1), []))
-        elif (m := sass_mix.LINE.match(line)) and functions:
-            functions[-1][1].append((int(m.group(1), 16), " ".join(m.group(2).split())))
-    return functions
+    return [(k.name, k.code) for k in sass_mix.parse_sass(text, keep_predicates=True)]
 
 
 def labelled(code: list[tuple[int, str]]) -> list[str]:
@@ -118,15 +112,9 @@ def compare(key: str, old: Listing | None, new: Listing | None) -> Comparison:
 
 def listings(path: Path, pattern: str) -> dict[str, Listing]:
     """The functions of one input whose mangled or readable name matches `pattern`, keyed by the readable name."""
-    if not path.exists():
-        raise SystemExit(f"sass_diff: {path}: no such file")
-    functions = parse(sass_mix.sass_text(path))
-    readable = sass_mix.demangle([name for name, _ in functions])
-    found = {}
-    for (name, code), nice in zip(functions, readable):
-        if re.search(pattern, name) or re.search(pattern, nice):
-            found[nice] = Listing(name, nice, code)
-    return found
+    named = sass_mix.named_kernels(path, keep_predicates=True)
+    return {readable: Listing(k.name, readable, k.code) for k, readable in named
+            if re.search(pattern, k.name) or re.search(pattern, readable)}
 
 
 def pairs(old: dict[str, Listing], new: dict[str, Listing]) -> list[Comparison]:

@@ -84,14 +84,15 @@ def class_of(op: str) -> str:
     return "other"
 
 
-def parse_sass(text: str) -> list[Kernel]:
-    """The functions of a `cuobjdump -sass` listing, each with its instructions (predicates stripped)."""
+def parse_sass(text: str, keep_predicates: bool = False) -> list[Kernel]:
+    """The functions of a `cuobjdump -sass` listing, each with its instructions (predicates stripped, unless kept)."""
     kernels: list[Kernel] = []
     for line in text.splitlines():
         if m := FUNCTION.match(line):
             kernels.append(Kernel(m.group(1)))
         elif (m := LINE.match(line)) and kernels:
-            kernels[-1].code.append((int(m.group(1), 16), PREDICATE.sub("", m.group(2)).strip()))
+            text_here = m.group(2) if keep_predicates else PREDICATE.sub("", m.group(2))
+            kernels[-1].code.append((int(m.group(1), 16), text_here.strip()))
     return kernels
 
 
@@ -220,11 +221,11 @@ def kernel_patterns(specs: list[str]) -> tuple[str, dict[str, str]]:
     return shared, own
 
 
-def named_kernels(path: Path) -> list[tuple[Kernel, str]]:
+def named_kernels(path: Path, keep_predicates: bool = False) -> list[tuple[Kernel, str]]:
     """The kernels of one input with their readable (demangled) names."""
     if not path.exists():
         raise SystemExit(f"sass_mix: {path}: no such file")
-    kernels = parse_sass(sass_text(path))
+    kernels = parse_sass(sass_text(path), keep_predicates)
     return list(zip(kernels, demangle([k.name for k in kernels])))
 
 
