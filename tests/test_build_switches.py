@@ -62,6 +62,8 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", []),
     ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, SW64_DESC, []),
     ("FLASH_BWD_HD96_SW64", "flash_bwd_hdim96_bf16.cu", 1, SW64_DESC, []),
+    # not a tile: the persistent hd64 backward, whose dK_j and dV_j leave by TMA stores (one block per tile: threads')
+    ("FLASH_BWD_PERSISTENT", "flash_bwd_hdim64_bf16.cu", 1, "cp.async.bulk.tensor.4d.global.shared::cta", []),
     # not a tile: the blocks' phase stamps (block_trace.h), read from the global timer
     ("FLASH_BWD_TRACE", "flash_bwd_hdim128_bf16.cu", 0, "%globaltimer", []),
 ]

@@ -17,7 +17,7 @@ template <bool kOn>
 struct BlockTrace {
     __device__ __forceinline__ void start() {}
     __device__ __forceinline__ void stamp(int) {}
-    __device__ __forceinline__ void write(long long*, int64_t, int, int, int, int) {}
+    __device__ __forceinline__ void write(long long*, int64_t, int, int, int, int, int) {}
 };
 
 template <>
@@ -36,9 +36,12 @@ struct BlockTrace<true> {
         start_clock = clock64();
     }
     __device__ __forceinline__ void stamp(int phase) { clocks[phase] = clock64() - start_clock; }
-    __device__ __forceinline__ void write(long long* buffer, int64_t rows, int batch, int head, int block, int trips) {
-        const int64_t row =
-            blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+    // At row `tile`, or (tile < 0) at the block's index in the grid.
+    __device__ __forceinline__ void write(long long* buffer, int64_t rows, int tile, int batch, int head, int block,
+                                          int trips) {
+        const int64_t row = tile >= 0 ? tile
+                                      : blockIdx.x + static_cast<int64_t>(gridDim.x) *
+                                                         (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
         if (buffer == nullptr || row >= rows) return;
         uint32_t sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));

@@ -211,7 +211,7 @@ int causal_order_group_heads(int64_t kv_bytes_per_head, int64_t all_heads) {
     return static_cast<int>(std::min<int64_t>(n, std::max<int64_t>(1, all_heads)));
 }
 
-// The Hopper causal backward's groups (causal_order.h, bwd_block_coord): from kBwdCausalOrderMinKeys keys, sized to
+// The Hopper causal backward's groups (causal_order.h, bwd_tile_scheduler.h): from kBwdCausalOrderMinKeys keys, sized to
 // kBwdCausalGroupBytes from the bytes of Q, dO (input dtype) and dq_accum (fp32) that a (batch, head) pair's blocks
 // read; below, the grid's own order (0): at 1k keys it ran 8-10% faster at hd64 (the same at hd128) on an H100, the
 // grouped order spreading the blocks that run together over more heads' Q and dO. The override sets the groups at
@@ -437,8 +437,12 @@ void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const 
     p.use_sm90 = sm90_backward_allowed(device);
     const bool hopper = bwd_runs_hopper(d_rounded, device, deterministic);
     if (!hopper) check_sm80_fits(p, device, /*backward=*/true);  // before dq_accum and the rest exist
+    // Freed on return, as the forward's: zeroed by the preprocess kernel, taken from by the persistent causal kernel.
+    at::Tensor tile_counter;
     if (hopper && p.is_causal && !flash::is_varlen_or_local(p)) {
         p.bwd_causal_group = bwd_causal_order_group_heads(p, q.element_size());
+        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+        p.tile_counter = tile_counter.data_ptr<int>();
     }
     if (g_block_trace.rows > 0) {
         p.block_trace = reinterpret_cast<long long*>(g_block_trace.ptr);

@@ -99,13 +99,18 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
 }
 
 // Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows zeroed here (every split), which spares a
-// separate memset of the same bytes. Rows are RowKernelShape's: at hd128 16 threads per row, 16 rows per block.
+// separate memset of the same bytes, as does the Hopper causal kernel's tile counter. Rows are RowKernelShape's: at
+// hd128 16 threads per row, 16 rows per block.
 // kVarlen: rows of packed sequences (cu_seqlens_q), a row block past its sequence's end writes nothing.
 template <typename Element, int kHeadDim, bool kVarlen>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
     const auto th = row_thread<kHeadDim, kVarlen>(params);
     const bool valid = th.q < th.rows(params);  // no early return: the row's threads reduce by shuffles below
+    // The persistent Hopper causal kernel's tile counter (bwd_tile_scheduler.h), which runs after this kernel.
+    if (params.tile_counter != nullptr && (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x) == 0) {
+        *params.tile_counter = 0;
+    }
     float acc = 0.f;
     if (valid) {
         const Element* dO = static_cast<const Element*>(params.do_ptr) + th.bidb * params.do_batch_stride +

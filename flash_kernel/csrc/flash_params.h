@@ -63,7 +63,8 @@ struct FwdParams {
     int num_sms;
     int smem_per_sm;          // shared memory per SM, bytes
     int smem_per_block_optin;  // dynamic shared memory a block may opt in to, bytes (flash_api.cpp, set_smem_limits)
-    int* tile_counter;  // Hopper causal forward: a zeroed int its blocks take their next tile from; else unused
+    int* tile_counter;  // Hopper causal forward and backward: a zeroed int their blocks take their next tile from
+                        // (the backward's preprocess kernel zeroes it); else unused
     bool is_bf16;    // else fp16
     bool use_sm90;   // the device is sm_90 and the caller allows the Hopper kernel of this pass (flash_api.cpp,
                      // Overrides); head dims without one (hopper_kernel_traits.h, hopper_bwd_traits.h) and the
@@ -98,7 +99,7 @@ struct BwdParams : public FwdParams {
     bool deterministic;
 
     // Hopper causal kernel (flash_bwd_hopper_kernel.cuh): (batch, head) pairs per group of its block order
-    // (causal_order.h, bwd_block_coord), or 0 for the grid's own order.
+    // (causal_order.h, bwd_tile_scheduler.h), or 0 for the grid's own order.
     int bwd_causal_group;
 
     // FLASH_BWD_TRACE builds of the Hopper kernel (block_trace.h): kBlockTraceCols values per thread block, at the

@@ -36,6 +36,12 @@
 #ifndef FLASH_BWD_HD96_SW64
 #define FLASH_BWD_HD96_SW64 1
 #endif
+// FLASH_BWD_PERSISTENT (on): where dK_j and dV_j fit one sdQ stage (hd64), the dense kernel is persistent, one thread
+// block per SM looping over tiles, each loading its next tile's K_j, V_j and first Q_i / dO_i while it stores the
+// current one's dK_j and dV_j (bwd_tile_scheduler.h); off, and at the other head dims, one thread block per tile.
+#ifndef FLASH_BWD_PERSISTENT
+#define FLASH_BWD_PERSISTENT 1
+#endif
 // FLASH_BWD_TRACE (off): thread 0 of every thread block writes the SM clock at the phases of its life into
 // BwdParams::block_trace (block_trace.h; bench/block_trace.py gives the buffer and reads it). For measurement only.
 #ifndef FLASH_BWD_TRACE
@@ -93,6 +99,10 @@ struct HopperBwdTraits {
     // TMA unit's reads of dQ_{i-2} (one iteration old), not of dQ_{i-1} (issued in this iteration), so that the other
     // warps do not wait at that barrier for the reduce.
     static constexpr int kDqStages = 2;
+    // The dense kernel's schedule (bwd_tile_scheduler.h): persistent where dK_j and dV_j, in K's layout, fit the sdQ
+    // stage that the next tile's first dQ_i takes (kBlockM = 128: hd64). Staged elsewhere (in sdQ once the last dQ_i
+    // reduce has read it, or stored from registers), they cost what the persistence saves (docs/results.md, 42-43).
+    static constexpr bool kPersistent = FLASH_BWD_PERSISTENT != 0 && 2 * kSmemKVBytes <= kSmemDqBytes;
     static constexpr int kSmemBarBytes = 8 * (1 + kNStages);                 // mbarriers: K/V, Q_i/dO_i per stage
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes =

@@ -135,6 +135,27 @@ __device__ __forceinline__ void tma_load_rows(uint32_t smem, const CUtensorMap* 
     }
 }
 
+// Shared -> global: box (col, row, head, batch) of `map` from the swizzled tile at `smem`, tracked in the calling
+// thread's bulk async-group. Rows and columns past the map's bounds are not written. The shared-memory source must
+// be made visible to the async proxy first (fence_view_async_shared by its writers).
+__device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, uint32_t smem, int col, int row, int head, int batch) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem), "r"(col), "r"(row), "r"(head), "r"(batch)
+                 : "memory");
+}
+
+// tma_load_rows' inverse: a kRows x kHeadDim tile (all its column blocks) to `row` of (head, batch). One thread
+// calls it; it does not commit the group.
+template <int kRows, int kHeadDim, int kSpanBytes = kSwizzleRowBytes>
+__device__ __forceinline__ void tma_store_rows(const CUtensorMap* map, uint32_t smem, int row, int head, int batch) {
+    using Span = SwizzleSpan<kSpanBytes>;
+    constexpr uint32_t kColBlockBytes = kRows * Span::kBytes;
+#pragma unroll
+    for (int c = 0; c < kHeadDim / Span::kBlockElems; ++c) {
+        tma_store_tile(map, smem + c * kColBlockBytes, c * Span::kBlockElems, row, head, batch);
+    }
+}
+
 // Bulk (non-tensor) reduce-add: `bytes` contiguous bytes of fp32 in shared memory added element-wise into global
 // memory by the TMA unit, one instruction of one thread; tracked in that thread's bulk async-group. The
 // shared-memory source must be made visible to the async proxy first (fence_view_async_shared by its writers).

@@ -237,6 +237,10 @@ def test_batch_and_many_heads():
 # hd128 forwards run wider key blocks, the hd80 one 192 x 144 tiles (hopper_kernel_traits.h): the last three pairs of
 # lengths. Non-causal, those head dims run 192-key blocks where their turns cost less (wider_blocks_pay): at every Tk
 # here but 1400, where the 128-key blocks run; every Tk here ends inside its last key block.
+# At hd64 the backward is persistent as well (bwd_tile_scheduler.h): blocks run 4-13 key-block tiles each on 132
+# SMs, the query blocks' stages and mbarrier phases and the sdQ stages carrying dK_j / dV_j to their TMA stores run
+# on across them, and tiles differ in length (causal: each key block from the first query block that sees it, the
+# first rows seeing no key where Tq > Tk); dq, dk and dv are NaN-poisoned too.
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k",
     [(1500, 1500), (1500, 700), (700, 1500), (1600, 1600), (1400, 1400), (2600, 2600), (3000, 2100), (1500, 2600)],
@@ -273,7 +277,8 @@ def test_causal_block_order_group_override_is_checked(overrides):
         overrides(causal_group_heads=-1)
 
 
-# The Hopper causal backward's blocks run in that order too, key block 0 (each head's longest) first (bwd_block_coord):
+# The Hopper causal backward's blocks run in that order too, key block 0 (each head's longest) first (bwd_block_coord;
+# at hd64 the persistent blocks take their tiles in it, bwd_tile_coord):
 # groups of 1 (the grid's own order), 3 (the last one short) and 4 (whole) over the grid's (batch, head) pairs, or
 # the default (0: the grid's order below 2048 keys, groups sized to L2 from there; the last case). dk and dv are
 # NaN-poisoned, so a key block never run shows.
