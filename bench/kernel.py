@@ -227,6 +227,18 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
     return (*leaves, do), fn, context
 
 
+def use_candidate(path: Path | None, overrides: dict[str, int | str], methods: list[str]) -> None:
+    """Make ours_candidate the build at `path` (else the package's) under `overrides` (else the defaults)."""
+    global CANDIDATE, CANDIDATE_OVERRIDES
+    CANDIDATE_OVERRIDES = overrides
+    if path is not None:
+        from flash_kernel.interface import load_extension
+
+        CANDIDATE = load_extension(path)
+    elif "ours_candidate" in methods and not CANDIDATE_OVERRIDES:
+        print("note: ours_candidate skipped: no --candidate build or --candidate-overrides given")
+
+
 @contextlib.contextmanager
 def _candidate_context():
     """ours_candidate: the --candidate build (else the package's) under --candidate-overrides (else the defaults)."""
@@ -730,14 +742,7 @@ def main(argv=None) -> int:
 
         if not flash_kernel.is_available():
             print(f"note: ours (flash_kernel) skipped: {flash_kernel.unavailable_reason()}")
-    global CANDIDATE, CANDIDATE_OVERRIDES
-    CANDIDATE_OVERRIDES = args.candidate_overrides
-    if args.candidate is not None:
-        from flash_kernel.interface import load_extension
-
-        CANDIDATE = load_extension(args.candidate)
-    elif "ours_candidate" in args.methods and not CANDIDATE_OVERRIDES:
-        print("note: ours_candidate skipped: no --candidate build or --candidate-overrides given")
+    use_candidate(args.candidate, args.candidate_overrides, args.methods)
     torch.manual_seed(0)
     env = environment()
     device = env["device"]

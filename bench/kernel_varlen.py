@@ -11,6 +11,9 @@ Two grids, bf16, causal, hidden 2048 (hd 64 x 32 heads, hd 128 x 16 heads) as th
   window  dense (16k / T, T) calls, T = 8k and 16k, sliding window (FlashAttention's window_size = (w, 0):
           query i sees keys i - w ... i) for w = 256, 1024, 4096 and unbounded (plain causal, the reference).
           Methods: ours (flash_attn_func with window_size), flex (its sliding-window causal BlockMask), fa4.
+Both grids: ours_candidate, ours' function run by another build (--candidate, --candidate-overrides: bench/kernel.py's),
+timed in turn with ours, with a candidate/ours column; `python bench/speedup.py <results> --new ours_candidate --old
+ours` takes its rounds one by one.
 Block masks, cu_seqlens and the compiled flex function are built before timing; flex's compilation happens
 in the untimed first call.
 
@@ -19,13 +22,16 @@ TFLOP/s count the unmasked work only, the same count for every method: 4 * H * h
 the FA2 paper's convention (T^2 / 2 for causal; w * T - w^2 / 2 for a window w < T). A dense causal call
 and a fixedN call of the same shape thus count the same FLOPs, and a window's TFLOP/s stay comparable while
 its time falls (flash_kernel.flop_count counts the exact discrete pairs, T (T + 1) / 2 for causal, for
-FlopCounterMode; the benchmark keeps the paper's area so that its numbers line up with the dense grid's). Times: triton.testing.do_bench medians over --rounds interleaved rounds (bench/kernel.py's
-timer). A method that cannot run here (ours before the varlen kernel or the window argument existed, FA4
-without flash_attn.cute) is recorded as "skipped" with the reason.
+FlopCounterMode; the benchmark keeps the paper's area so that its numbers line up with the dense grid's). Times:
+triton.testing.do_bench medians over --rounds interleaved rounds (bench/kernel.py's timer). A method that cannot
+run here (ours before the varlen kernel or the window argument existed, FA4 without flash_attn.cute) is recorded as
+"skipped" with the reason.
 
     python bench/kernel.py --varlen                                  # both grids, both head dims
     python bench/kernel.py --varlen --hdims 128 --cases fixed2k corpus --methods ours ours_dense flex
     python bench/kernel.py --varlen --cases window --windows 1024 --window-seqlens 16384
+    python bench/kernel.py --varlen --candidate DIR/_C*.so --methods ours ours_candidate --modes bwd --rounds 5 \\
+        --results /tmp/varlen_candidate.json                         # another build beside the package's
     python bench/kernel.py --varlen --plot-only                      # redraw tables + figure from the JSON
 
 Results merge into bench/results/kernel_varlen.json (one entry per device, grid, case, window, method, hd,
@@ -59,12 +65,13 @@ DOC_CASES = list(doc_lengths.DISTRIBUTIONS)
 CASES = [*DOC_CASES, "window"]
 WINDOWS = [256, 1024, 4096]
 WINDOW_SEQLENS = [8192, 16384]
-METHODS = ["ours", "ours_dense", "flex", "fa4"]
-WINDOW_METHODS = ("ours", "flex", "fa4")  # the window grid's ours is already the dense function
+METHODS = ["ours", "ours_candidate", "ours_dense", "flex", "fa4"]
+WINDOW_METHODS = ("ours", "ours_candidate", "flex", "fa4")  # the window grid's ours is already the dense function
 MODES = ["fwd", "fwd_bwd"]
-LABELS = {"ours": "ours", "ours_dense": "ours dense", "flex": "FlexAttention", "fa4": "FlashAttention-4"}
-DOC_LABELS = {"ours": "ours varlen", "ours_dense": "ours dense causal", "flex": "flex document mask",
-              "fa4": "FA4 varlen"}  # fmt: skip
+LABELS = {"ours": "ours", "ours_candidate": "ours, candidate", "ours_dense": "ours dense", "flex": "FlexAttention",
+          "fa4": "FlashAttention-4"}
+DOC_LABELS = {"ours": "ours varlen", "ours_candidate": "ours varlen, candidate", "ours_dense": "ours dense causal",
+              "flex": "flex document mask", "fa4": "FA4 varlen"}
 MIN_DENSE_SEQLEN = 128
 
 
@@ -212,17 +219,22 @@ def make_method(method: str, case: Case, dtype, device=dense.DEVICE):
     H, D, total = case.heads, case.hd, case.tokens
     window_size = (case.window, 0)
     batch, seqlen = (len(case.lengths), case.lengths[0]) if case.grid == "window" else dense_shape(case.lengths, total)
-    if case.grid == "docs" and method in ("ours", "fa4"):
-        fn_of = _ours("flash_attn_varlen_func") if method == "ours" else _fa4("flash_attn_varlen_func")
+    # ours_candidate: ours' function and tensors, run by the --candidate build (bench.kernel's candidate context)
+    if method == "ours_candidate" and dense.CANDIDATE is None and not dense.CANDIDATE_OVERRIDES:
+        raise dense.BackendUnsupported("no --candidate build or --candidate-overrides given")
+    context = dense._candidate_context if method == "ours_candidate" else contextlib.nullcontext
+    ours = method in ("ours", "ours_candidate")
+    if case.grid == "docs" and (ours or method == "fa4"):
+        fn_of = _ours("flash_attn_varlen_func") if ours else _fa4("flash_attn_varlen_func")
         (q, k, v), do = _leaves((total, H, D), dtype, device)  # (total, H, D)
         cu = torch.from_numpy(doc_lengths.cu_seqlens(case.lengths)).to(device)
         longest = max(case.lengths)
-        if method == "ours":
+        if ours:
             fn = lambda: fn_of(q, k, v, cu, cu, longest, longest, causal=True)  # noqa: E731
         else:
             fn = lambda: fn_of(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,  # noqa: E731
                                max_seqlen_k=longest, causal=True)[0]  # (out, lse) -> out
-        return (q, k, v, do), fn, contextlib.nullcontext, {"layout": f"packed ({total}, H, D)"}
+        return (q, k, v, do), fn, context, {"layout": f"packed ({total}, H, D)"}
     if method == "flex":
         flex = _flex_compiled()
         shape = (1, H, total, D) if case.grid == "docs" else (batch, H, seqlen, D)
@@ -230,9 +242,9 @@ def make_method(method: str, case: Case, dtype, device=dense.DEVICE):
         block_mask = flex_block_mask(case, device)
         fn = lambda: flex(q, k, v, block_mask=block_mask)  # noqa: E731
         return (q, k, v, do), fn, contextlib.nullcontext, {"layout": f"({shape[0]}, H, {shape[2]}, D)"}
-    # dense (B, T, H, D) calls: ours_dense (docs baseline), ours and fa4 of the window grid
+    # dense (B, T, H, D) calls: ours_dense (docs baseline), ours (and its candidate) and fa4 of the window grid
     fn_of = _ours("flash_attn_func") if method != "fa4" else _fa4("flash_attn_func")
-    if case.grid == "window" and case.window >= 0 and method == "ours" and not _accepts_window(fn_of):
+    if case.grid == "window" and case.window >= 0 and ours and not _accepts_window(fn_of):
         raise dense.BackendUnsupported("flash_kernel.flash_attn_func has no window_size (built from a tree without it)")
     (q, k, v), do = _leaves((batch, seqlen, H, D), dtype, device)  # (B, T, H, D)
     kwargs = {"window_size": window_size} if case.grid == "window" and case.window >= 0 else {}
@@ -240,7 +252,7 @@ def make_method(method: str, case: Case, dtype, device=dense.DEVICE):
         fn = lambda: fn_of(q, k, v, causal=True, **kwargs)[0]  # noqa: E731  (out, lse) -> out
     else:
         fn = lambda: fn_of(q, k, v, causal=True, **kwargs)  # noqa: E731
-    return (q, k, v, do), fn, contextlib.nullcontext, {"layout": f"({batch}, {seqlen}, H, D)"}
+    return (q, k, v, do), fn, context, {"layout": f"({batch}, {seqlen}, H, D)"}
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -357,12 +369,15 @@ def format_table(results: list[dict], device: str) -> str:
     out = [f"## {device}: document-masked and sliding-window attention TFLOP/s (bf16, causal, heads = "
            f"{dense.HIDDEN} // hd, unmasked pairs only)"]
     docs = [r for r in rows if r["grid"] == "docs"]
+    candidate = any(r["method"] == "ours_candidate" for r in rows)  # its column and candidate/ours only where it ran
+    methods = [m for m in METHODS if m != "ours_candidate" or candidate]
+    window_methods = [m for m in WINDOW_METHODS if m != "ours_candidate" or candidate]
     for mode in MODES + ["bwd"]:
         for hd in sorted({r["hd"] for r in docs if r["mode"] == mode}):
             cases = sorted({r["case"] for r in docs if r["hd"] == hd and r["mode"] == mode}, key=lambda c: (DOC_CASES.index(c) if c in DOC_CASES else 99, c))
             out.append(f"\n### documents, {dense.MODE_LABELS[mode]}, hd {hd}, {docs[0]['tokens']} tokens per call\n")
-            header = ["documents", "n", "longest", "mean len", *(DOC_LABELS[m] for m in METHODS), "dense (B x T)",
-                      "ours/dense", "ours/flex", "ours/FA4"]  # fmt: skip
+            header = ["documents", "n", "longest", "mean len", *(DOC_LABELS[m] for m in methods), "dense (B x T)",
+                      "ours/dense", "ours/flex", "ours/FA4"] + (["candidate/ours"] if candidate else [])  # fmt: skip
             out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             for case in cases:
                 get = lambda m: index.get(("docs", case, -1, m, hd, mode))  # noqa: E731
@@ -370,8 +385,9 @@ def format_table(results: list[dict], device: str) -> str:
                 d = get("ours_dense")
                 shape = f"{d['batch']} x {_short(d['seqlen'])}" if d is not None and d.get("seqlen") else "-"
                 cells = [case, str(any_row["docs"]), str(any_row["max_doc"]), f"{any_row['token_mean_doc']:.0f}"]
-                cells += [_cell(get(m)) for m in METHODS] + [shape]
+                cells += [_cell(get(m)) for m in methods] + [shape]
                 cells += [_ratio(get("ours"), get(m)) for m in ("ours_dense", "flex", "fa4")]
+                cells += [_ratio(get("ours_candidate"), get("ours"))] if candidate else []
                 out.append("| " + " | ".join(cells) + " |")
     windows = [r for r in rows if r["grid"] == "window"]
     for mode in MODES + ["bwd"]:
@@ -379,15 +395,16 @@ def format_table(results: list[dict], device: str) -> str:
             keys = sorted({(int(r["case"][1:]), r["window"]) for r in windows if r["hd"] == hd and r["mode"] == mode},
                           key=lambda k: (k[0], k[1] < 0, k[1]))  # causal after the windows of its T
             out.append(f"\n### sliding window, {dense.MODE_LABELS[mode]}, hd {hd}, dense (16k / T, T)\n")
-            header = ["T", "window", *(LABELS[m] for m in WINDOW_METHODS), "ours ms", "flex ms", "ours ms / causal",
-                      "ours/flex", "ours/FA4"]  # fmt: skip
+            header = ["T", "window", *(LABELS[m] for m in window_methods), "ours ms", "flex ms", "ours ms / causal",
+                      "ours/flex", "ours/FA4"] + (["candidate/ours"] if candidate else [])  # fmt: skip
             out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             for seqlen, window in keys:
                 get = lambda m, w=window: index.get(("window", f"T{seqlen}", w, m, hd, mode))  # noqa: E731
-                cells = [_short(seqlen), _window_name(window), *(_cell(get(m)) for m in WINDOW_METHODS)]
+                cells = [_short(seqlen), _window_name(window), *(_cell(get(m)) for m in window_methods)]
                 cells += [_cell(get("ours"), "ms", "{:.3f}"), _cell(get("flex"), "ms", "{:.3f}")]
                 cells += [_ratio(get("ours"), get("ours", -1), "ms")]
                 cells += [_ratio(get("ours"), get(m)) for m in ("flex", "fa4")]
+                cells += [_ratio(get("ours_candidate"), get("ours"))] if candidate else []
                 out.append("| " + " | ".join(cells) + " |")
     notes = sorted({f"{r['method']}: {r['note']}" for r in rows if r["status"] in ("skipped", "error") and r.get("note")})
     if notes:
@@ -452,7 +469,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bench/kernel.py --varlen", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", choices=CASES, default=CASES, help="document-length distributions, and/or window")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                   help="default: every method, ours_candidate only with --candidate or --candidate-overrides")
     p.add_argument("--hdims", nargs="+", type=int, default=dense.HEAD_DIMS)
     p.add_argument("--windows", nargs="+", type=int, default=WINDOWS, help="left window sizes of the window grid")
     p.add_argument("--window-seqlens", nargs="+", type=int, default=WINDOW_SEQLENS)
@@ -466,7 +484,16 @@ def parse_args(argv=None):
                    help="where `make data` prepared the default corpus (else the committed lengths are used)")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the tables and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
+    p.add_argument("--candidate", type=Path, default=None, metavar="SO",
+                   help="another build of flash_kernel (`python -m flash_kernel.build --out DIR`), timed as method "
+                        "ours_candidate in turn with ours (bench/kernel.py's --candidate)")
+    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="flash_kernel.interface.kernel_overrides for ours_candidate (bench/kernel.py's)")
     args = p.parse_args(argv)
+    args.candidate_overrides = dense._parse_overrides(p, args.candidate_overrides)
+    if args.methods is None:
+        with_candidate = args.candidate is not None or args.candidate_overrides
+        args.methods = [m for m in METHODS if m != "ours_candidate" or with_candidate]
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     for name, values in (("--hdims", args.hdims), ("--window-seqlens", args.window_seqlens)):
@@ -502,6 +529,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench/kernel.py --varlen: needs a CUDA GPU (torch.cuda.is_available() is False); run it on the GPU "
                  "machine, or `--varlen --plot-only` to redraw from " + str(args.results))
+    dense.use_candidate(args.candidate, args.candidate_overrides, args.methods)
     corpus, corpus_info = None, {}
     if "corpus" in args.cases:
         corpus, corpus_info = doc_lengths.corpus_lengths(args.data_cache_dir)

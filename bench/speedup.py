@@ -10,8 +10,10 @@ reported too: a cell whose every round is above 1 gained in each of them.
     python bench/speedup.py run1.json run2.json                          # ours over ours_candidate, every cell
     python bench/speedup.py run.json --new ours_candidate --old ours     # the other way round
     python bench/speedup.py run.json --mode bwd --hdims 64 128 --cells   # one line per cell, each run's value
+    python bench/speedup.py varlen.json                                  # bench/kernel.py --varlen --candidate rows
 
-The table has a row per head dim and a column per sequence length, each cell "causal / non-causal".
+The table has a row per head dim and a column per sequence length, each cell "causal / non-causal"; rows of the
+--varlen grids (document-masked and sliding-window) get a row per cell and a geometric mean over them.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-# A cell of bench/kernel.py's grid: what it times, less the method.
-CELL_KEYS = ("device", "inputs", "dtype", "mode", "hd", "causal", "seqlen", "batch", "heads")
+# A cell of bench/kernel.py's grid, or of its --varlen grids (grid, case, window): what it times, less the method.
+CELL_KEYS = ("device", "inputs", "dtype", "mode", "grid", "case", "window", "hd", "causal", "seqlen", "batch", "heads")
 
 
 def cell_key(row: dict) -> tuple:
@@ -66,15 +68,18 @@ def combine(runs: list[dict[tuple, list[float]]]) -> dict[tuple, dict]:
 
 
 def table(cells: dict[tuple, dict]) -> str:
-    """Markdown: a row per (device, mode, head dim), a column per sequence length, "causal / non-causal" cells."""
+    """Markdown: a row per (device, mode, head dim), a column per sequence length, "causal / non-causal" cells; the
+    --varlen grids' cells (every one causal) a row each."""
     idx = {k: i for i, k in enumerate(CELL_KEYS)}
+    varlen = {c: v for c, v in cells.items() if c[idx["grid"]] is not None}
+    cells = {c: v for c, v in cells.items() if c[idx["grid"]] is None}
+    lines = varlen_table(varlen).splitlines() if varlen else []
     rows: dict[tuple, dict[int, dict[bool, float]]] = defaultdict(lambda: defaultdict(dict))
     for cell, v in cells.items():
         rows[(cell[idx["device"]], cell[idx["mode"]], cell[idx["hd"]])][cell[idx["seqlen"]]][bool(cell[idx["causal"]])] = (
             v["speedup"])
     seqlens = sorted({cell[idx["seqlen"]] for cell in cells})
     label = lambda t: f"{t // 1024}k" if t % 1024 == 0 else str(t)
-    lines = []
     for device, mode in sorted({(d, m) for d, m, _ in rows}):
         lines += [f"{device}, {mode}: speed-up, causal / non-causal", "",
                   "| head dim | " + " | ".join(label(t) for t in seqlens) + " | geometric mean |",
@@ -90,12 +95,32 @@ def table(cells: dict[tuple, dict]) -> str:
     return "\n".join(lines)
 
 
+def varlen_table(cells: dict[tuple, dict]) -> str:
+    """Markdown: a row per --varlen cell (grid, case, window: -1 for none), its speed-up and lowest round."""
+    named = sorted((dict(zip(CELL_KEYS, c)) for c in cells), key=lambda d: (
+        str(d["device"]), str(d["mode"]), str(d["grid"]), d["hd"], str(d["case"]), d["window"]))
+    lines = []
+    for device, mode in sorted({(str(d["device"]), str(d["mode"])) for d in named}):
+        here = [d for d in named if (str(d["device"]), str(d["mode"])) == (device, mode)]
+        lines += [f"{device}, {mode}: speed-up, --varlen grids (causal)", "",
+                  "| grid | case | window | head dim | speed-up | lowest round |", "|---|---|---|---|---|---|"]
+        for d in here:
+            v = cells[tuple(d[k] for k in CELL_KEYS)]
+            lines.append(f"| {d['grid']} | {d['case']} | {d['window']} | {d['hd']} | {v['speedup']:.3f} | "
+                         f"{v['lowest_round']:.3f} |")
+        lines.append(f"\ngeometric mean over {len(here)} cells: "
+                     f"{geometric_mean([cells[tuple(d[k] for k in CELL_KEYS)]['speedup'] for d in here]):.3f}\n")
+    return "\n".join(lines)
+
+
 def cell_lines(cells: dict[tuple, dict]) -> str:
     out = []
     named = [dict(zip(CELL_KEYS, cell)) for cell in cells]
-    for d in sorted(named, key=lambda d: (str(d["device"]), str(d["mode"]), d["hd"], not d["causal"], d["seqlen"])):
+    for d in sorted(named, key=lambda d: (str(d["device"]), str(d["mode"]), str(d["grid"]), d["hd"], not d["causal"],
+                                          str(d["case"]), d["window"] or 0, d["seqlen"] or 0)):
         v = cells[tuple(d[k] for k in CELL_KEYS)]
-        out.append(f"{d['mode']} hd{d['hd']} {'causal' if d['causal'] else 'non-causal'} {d['seqlen']}: "
+        where = f"{d['grid']} {d['case']} w{d['window']}" if d["grid"] is not None else d["seqlen"]
+        out.append(f"{d['mode']} hd{d['hd']} {'causal' if d['causal'] else 'non-causal'} {where}: "
                    f"{v['speedup']:.3f} (runs {' '.join(f'{x:.3f}' for x in v['runs'])}; lowest round "
                    f"{v['lowest_round']:.3f})")
     return "\n".join(out)

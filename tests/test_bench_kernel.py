@@ -327,7 +327,7 @@ def test_varlen_cases_cover_the_distributions_and_windows():
         (f"T{t}", w) for t in (8192, 16384) for w in (-1, 256, 1024, 4096)}
     assert next(c for c in windows if c.name == "T8192").lengths == (8192, 8192)
     assert next(c for c in docs if c.name == "fixed1k").lengths == (1024,) * 16
-    assert kv.methods_of(windows[0], kv.METHODS) == ["ours", "flex", "fa4"]
+    assert kv.methods_of(windows[0], kv.METHODS) == ["ours", "ours_candidate", "flex", "fa4"]
     assert kv.methods_of(docs[0], kv.METHODS) == kv.METHODS
     one = kv.make_cases(kv.parse_args(["--cases", "fixed2k", "--hdims", "128"]))
     assert [(c.name, c.hd, c.heads) for c in one] == [("fixed2k", 128, 16)]
@@ -403,7 +403,7 @@ def _fake_varlen_run(monkeypatch, argv):
     """kernel_varlen.benchmark with its methods and timer faked: ms by method (window rows scale with the
     visible pairs), fa4 skipped. Returns the rows and the order the timer ran in."""
     calls = []
-    base_ms = {"ours": 1.0, "ours_dense": 0.95, "flex": 1.6}
+    base_ms = {"ours": 1.0, "ours_candidate": 0.8, "ours_dense": 0.95, "flex": 1.6}
 
     def fake_make_method(method, case, dtype, device=None):
         if method == "fa4":
@@ -456,6 +456,36 @@ def test_varlen_grid_rows_table_and_figure(monkeypatch, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "ours/flex" in out and "corpus_lengths committed" in out
+
+
+def test_varlen_candidate_is_timed_in_turn_with_ours(monkeypatch):
+    # Without a candidate build or overrides, ours_candidate is no default method, and asked for it says why.
+    assert "ours_candidate" not in kv.parse_args([]).methods
+    assert "ours_candidate" in kv.parse_args(["--candidate-overrides", "bwd_causal_group_heads=1"]).methods
+    monkeypatch.setattr(kv.dense, "CANDIDATE", None)
+    monkeypatch.setattr(kv.dense, "CANDIDATE_OVERRIDES", {})
+    with pytest.raises(kv.dense.BackendUnsupported, match="no --candidate build or --candidate-overrides given"):
+        kv.make_method("ours_candidate", kv.Case("docs", "fixed2k", 128, 16, (2048,) * 8), torch.bfloat16)
+    # With one: timed in turn with ours in both grids, and a candidate/ours column (its TFLOP/s over ours').
+    monkeypatch.setitem(kv.dense.__dict__, "CANDIDATE_OVERRIDES", {"bwd_causal_group_heads": 1})
+    real = kv.make_method
+    rows, calls = _fake_varlen_run(monkeypatch, ["--cases", "fixed2k", "window", "--hdims", "128", "--windows", "256",
+                                                 "--window-seqlens", "8192", "--rounds", "2", "--modes", "bwd",
+                                                 "--methods", "ours", "ours_candidate"])
+    assert calls[:4] == [("ours", "bwd"), ("ours_candidate", "bwd")] * 2
+    assert {r["grid"] for r in rows if r["method"] == "ours_candidate"} == {"docs", "window"}
+    table = kv.format_table(rows, DEVICE)
+    assert "ours varlen, candidate" in table and "| ours, candidate |" in table
+    for start in ("| fixed2k |", "| 8k | 256 |"):
+        line = next(ln for ln in table.splitlines() if ln.startswith(start))
+        assert line.strip("|").split("|")[-1].strip() == "1.25"  # 1 ms against 0.8 ms
+    assert "candidate/ours" not in kv.format_table([r for r in rows if r["method"] != "ours_candidate"], DEVICE)
+    # The candidate runs ours' function under bench.kernel's candidate context.
+    monkeypatch.setattr(kv, "make_method", real)
+    monkeypatch.setattr(kv, "_ours", lambda name: (lambda *a, **k: a[0]))
+    *_, context, fields = kv.make_method("ours_candidate", kv.Case("docs", "fixed2k", 128, 16, (64,) * 2),
+                                         torch.float32, device="cpu")
+    assert context is kv.dense._candidate_context and fields["layout"] == "packed (128, H, D)"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

@@ -98,3 +98,25 @@ def test_bad_inputs_name_the_problem(tmp_path):
         sp.main([str(uneven)])
     with pytest.raises(SystemExit):
         sp.main([str(one_method), "--new", "ours", "--old", "ours"])
+
+
+def varlen_row(method: str, ms_rounds: list[float], grid: str, case: str, window: int = -1) -> dict:
+    """A bench/kernel.py --varlen row: grid, case and window instead of inputs and seqlen."""
+    return {"device": "GPU", "grid": grid, "case": case, "window": window, "method": method, "hd": 128, "heads": 16,
+            "tokens": 16384, "dtype": "bf16", "causal": True, "mode": "bwd", "status": "ok",
+            "ms": sorted(ms_rounds)[len(ms_rounds) // 2], "ms_rounds": ms_rounds}
+
+
+def test_varlen_rows_keep_their_cases_apart(tmp_path, capsys):
+    rows = [varlen_row("ours", [1.0, 1.0], "docs", "fixed1k"), varlen_row("ours_candidate", [1.1, 1.1], "docs", "fixed1k"),
+            varlen_row("ours", [1.0, 1.0], "docs", "fixed2k"), varlen_row("ours_candidate", [0.9, 0.9], "docs", "fixed2k"),
+            varlen_row("ours", [1.0, 1.0], "window", "T8192", 256),
+            varlen_row("ours_candidate", [1.2, 1.2], "window", "T8192", 256)]
+    path = write(tmp_path, "varlen.json", rows)
+    assert sp.main([str(path), "--new", "ours_candidate", "--old", "ours", "--cells"]) == 0
+    out = capsys.readouterr().out
+    assert "| docs | fixed1k | -1 | 128 | 0.909 | 0.909 |" in out  # 1.0 ms / 1.1 ms, not merged with fixed2k
+    assert "| docs | fixed2k | -1 | 128 | 1.111 | 1.111 |" in out
+    assert "| window | T8192 | 256 | 128 | 0.833 | 0.833 |" in out
+    assert f"geometric mean over 3 cells: {(1 / 1.1 / 0.9 / 1.2) ** (1 / 3):.3f}" in out
+    assert "bwd hd128 causal docs fixed1k w-1: 0.909" in out and "head dim | 1k" not in out
