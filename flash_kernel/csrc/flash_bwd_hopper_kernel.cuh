@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // The order of these loads steers nvcc's reassociation of the tiles' index arithmetic, as does that of the
     // descriptors below (desc_k and desc_v after desc_kt): in this order the dense one-block kernels are those of a
     // kernel without the persistent path (hd80 and hd96 instruction for instruction; hd128 but for a few uniform
-    // instructions in another order). One instruction more shifts their main loop, which moved hd80 and hd96 by 1-2%
+    // instructions in another order). One instruction more shifts their main loop and costs hd80 and hd96 1-2%
     // (docs/results.md section 44); bench/sass_diff.py shows what an edit moves.
     const SeqBounds dense_sq{params.seqlen_q, params.seqlen_k, 0, 0, -1, -1};  // a dense call's one sequence
     const KeyWindow window = key_window(params);
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (;;) {
         const TileState here = kPersistent ? state : TileState{static_cast<int>(blockIdx.x), 0, 0, 0};
         // A persistent block derives its tile's view again from `state`: carried across the epilogue in registers
-        // instead, the view cost the hd64 causal backward about 8% at 4k keys (docs/results.md sections 43-44).
+        // instead, the view costs the hd64 causal backward about 8% at 4k keys (docs/results.md sections 43-44).
         const TileView v = kPersistent ? tile_view(here.tile) : first_view;
         const int n_block = v.n_block, bidh = v.bidh, bidb = v.bidb;
         const SeqBounds& sq = v.sq;
