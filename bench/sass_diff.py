@@ -51,11 +51,6 @@ class Listing:
     code: list[tuple[int, str]]
 
 
-def parse(text: str) -> list[tuple[str, list[tuple[int, str]]]]:
-    """(mangled name, [(address, instruction)]) per function of a `cuobjdump -sass` listing; predicates kept."""
-    return [(k.name, k.code) for k in sass_mix.parse_sass(text, keep_predicates=True)]
-
-
 def labelled(code: list[tuple[int, str]]) -> list[str]:
     """The instructions with every branch target as a label: `Lk:` before the instruction it names (k by address
     order) and `Lk` in place of the address in the instructions that jump there."""
@@ -112,9 +107,8 @@ def compare(key: str, old: Listing | None, new: Listing | None) -> Comparison:
 
 def listings(path: Path, pattern: str) -> dict[str, Listing]:
     """The functions of one input whose mangled or readable name matches `pattern`, keyed by the readable name."""
-    named = sass_mix.named_kernels(path, keep_predicates=True)
-    return {readable: Listing(k.name, readable, k.code) for k, readable in named
-            if re.search(pattern, k.name) or re.search(pattern, readable)}
+    return {readable: Listing(k.name, readable, k.code)
+            for k, readable in sass_mix.matching_kernels(path, pattern, keep_predicates=True)}
 
 
 def pairs(old: dict[str, Listing], new: dict[str, Listing]) -> list[Comparison]:
@@ -146,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="exit 1 where a pair is neither identical nor renamed, or a kernel has no pair")
     args = p.parse_args(argv)
-    specs = [s.rpartition("=") if "=" in s else ("", "", s) for s in (args.old, args.new)]
-    labels = tuple(label or default for (label, _, _), default in zip(specs, ("old", "new")))
-    found = [listings(Path(path), args.kernel) for _, _, path in specs]
+    specs = [sass_mix.split_spec(s) for s in (args.old, args.new)]
+    labels = tuple(label or default for (label, _), default in zip(specs, ("old", "new")))
+    found = [listings(path, args.kernel) for _, path in specs]
     if not found[0] and not found[1]:
         raise SystemExit(f"sass_diff: no kernel matches {args.kernel!r}")
     comparisons = pairs(*found)

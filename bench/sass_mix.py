@@ -229,15 +229,25 @@ def named_kernels(path: Path, keep_predicates: bool = False) -> list[tuple[Kerne
     return list(zip(kernels, demangle([k.name for k in kernels])))
 
 
+def matching_kernels(path: Path, pattern: str, keep_predicates: bool = False) -> list[tuple[Kernel, str]]:
+    """named_kernels of one input whose mangled or readable name matches `pattern`."""
+    return [(k, readable) for k, readable in named_kernels(path, keep_predicates)
+            if re.search(pattern, k.name) or re.search(pattern, readable)]
+
+
+def split_spec(spec: str) -> tuple[str | None, Path]:
+    """LABEL=PATH or PATH: (the label, or None, and the path)."""
+    label, sep, path = spec.rpartition("=")
+    return (label if sep else None), Path(path)
+
+
 def read_inputs(specs: list[str], pattern: str, own: dict[str, str] | None = None) -> list[Mix]:
     """LABEL=PATH or PATH per input; the mix of each kernel that matches the label's own pattern, else `pattern`."""
     mixes = []
     for spec in specs:
-        label, _, path = spec.rpartition("=") if "=" in spec else (None, "", spec)
+        label, path = split_spec(spec)
         pattern_here = (own or {}).get(label, pattern)
-        path = Path(path)
-        named = [(k, readable) for k, readable in named_kernels(path)
-                 if re.search(pattern_here, k.name) or re.search(pattern_here, readable)]
+        named = matching_kernels(path, pattern_here)
         if not named:
             raise SystemExit(f"sass_mix: no kernel of {path} matches {pattern_here!r} (--list shows their names)")
         mixes += [mix(label or path.name, k, readable) for k, readable in named]
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.list:
         for spec in args.inputs:
-            path = Path(spec.rpartition("=")[2])
+            path = split_spec(spec)[1]
             for k, readable in named_kernels(path):
                 print(f"{path.name}: {readable} ({len(k.code)} instructions, {len(loops(k))} loops)\n    {k.name}")
         return 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from collections import defaultdict
@@ -50,10 +49,6 @@ def round_speedups(rows: list[dict], new: str, old: str) -> dict[tuple, list[flo
                              "interleaved rounds pair one to one")
         out[cell] = [y / x for x, y in zip(a, b)]
     return out
-
-
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def combine(runs: list[dict[tuple, list[float]]]) -> dict[tuple, dict]:
@@ -89,36 +84,38 @@ def table(cells: dict[tuple, dict]) -> str:
             fmt = lambda x: "-" if x is None else f"{x:.3f}"
             row = [" / ".join(fmt(by_t.get(t, {}).get(c)) for c in (True, False)) for t in seqlens]
             means = [[x for t in seqlens if (x := by_t.get(t, {}).get(c)) is not None] for c in (True, False)]
-            row.append(" / ".join(fmt(geometric_mean(v) if v else None) for v in means))
+            row.append(" / ".join(fmt(statistics.geometric_mean(v) if v else None) for v in means))
             lines.append(f"| {hd} | " + " | ".join(row) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
+def named(cells: dict[tuple, dict]) -> list[tuple[dict, dict]]:
+    """(the cell's fields by name, its values) per cell, by device, mode, grid, head dim, causal first, case, window
+    and sequence length."""
+    pairs = [(dict(zip(CELL_KEYS, cell)), v) for cell, v in cells.items()]
+    return sorted(pairs, key=lambda p: (str(p[0]["device"]), str(p[0]["mode"]), str(p[0]["grid"]), p[0]["hd"],
+                                        not p[0]["causal"], str(p[0]["case"]), p[0]["window"] or 0, p[0]["seqlen"] or 0))
+
+
 def varlen_table(cells: dict[tuple, dict]) -> str:
     """Markdown: a row per --varlen cell (grid, case, window: -1 for none), its speed-up and lowest round."""
-    named = sorted((dict(zip(CELL_KEYS, c)) for c in cells), key=lambda d: (
-        str(d["device"]), str(d["mode"]), str(d["grid"]), d["hd"], str(d["case"]), d["window"]))
+    fields = named(cells)
     lines = []
-    for device, mode in sorted({(str(d["device"]), str(d["mode"])) for d in named}):
-        here = [d for d in named if (str(d["device"]), str(d["mode"])) == (device, mode)]
+    for device, mode in sorted({(str(d["device"]), str(d["mode"])) for d, _ in fields}):
+        here = [(d, v) for d, v in fields if (str(d["device"]), str(d["mode"])) == (device, mode)]
         lines += [f"{device}, {mode}: speed-up, --varlen grids (causal)", "",
                   "| grid | case | window | head dim | speed-up | lowest round |", "|---|---|---|---|---|---|"]
-        for d in here:
-            v = cells[tuple(d[k] for k in CELL_KEYS)]
-            lines.append(f"| {d['grid']} | {d['case']} | {d['window']} | {d['hd']} | {v['speedup']:.3f} | "
-                         f"{v['lowest_round']:.3f} |")
+        lines += [f"| {d['grid']} | {d['case']} | {d['window']} | {d['hd']} | {v['speedup']:.3f} | "
+                  f"{v['lowest_round']:.3f} |" for d, v in here]
         lines.append(f"\ngeometric mean over {len(here)} cells: "
-                     f"{geometric_mean([cells[tuple(d[k] for k in CELL_KEYS)]['speedup'] for d in here]):.3f}\n")
+                     f"{statistics.geometric_mean([v['speedup'] for _, v in here]):.3f}\n")
     return "\n".join(lines)
 
 
 def cell_lines(cells: dict[tuple, dict]) -> str:
     out = []
-    named = [dict(zip(CELL_KEYS, cell)) for cell in cells]
-    for d in sorted(named, key=lambda d: (str(d["device"]), str(d["mode"]), str(d["grid"]), d["hd"], not d["causal"],
-                                          str(d["case"]), d["window"] or 0, d["seqlen"] or 0)):
-        v = cells[tuple(d[k] for k in CELL_KEYS)]
+    for d, v in named(cells):
         where = f"{d['grid']} {d['case']} w{d['window']}" if d["grid"] is not None else d["seqlen"]
         out.append(f"{d['mode']} hd{d['hd']} {'causal' if d['causal'] else 'non-causal'} {where}: "
                    f"{v['speedup']:.3f} (runs {' '.join(f'{x:.3f}' for x in v['runs'])}; lowest round "

@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from bench import sass_diff as sd
+from bench.sass_mix import parse_sass
 
 HEADER = "\tcode for sm_90a\n"
 
@@ -50,14 +51,19 @@ OTHER = ["MOV R1, 0x2", "EXIT"]
 NAMES = ("_ZN5flash6kernelILi128EEEvv", "_ZN5flash5otherEv")
 
 
+def parse(text: str) -> list[tuple[str, list[tuple[int, str]]]]:
+    """(mangled name, [(address, instruction)]) per function, predicates kept: what sass_diff reads."""
+    return [(k.name, k.code) for k in parse_sass(text, keep_predicates=True)]
+
+
 def compare(old: list[str], new: list[str]) -> sd.Comparison:
-    a = sd.parse(listing({NAMES[0]: old}))[0]
-    b = sd.parse(listing({NAMES[0]: new}))[0]
+    a = parse(listing({NAMES[0]: old}))[0]
+    b = parse(listing({NAMES[0]: new}))[0]
     return sd.compare("k", sd.Listing(a[0], a[0], a[1]), sd.Listing(b[0], b[0], b[1]))
 
 
 def test_parse_keeps_predicates_and_addresses():
-    [(name, code)] = sd.parse(listing({NAMES[0]: KERNEL}))
+    [(name, code)] = parse(listing({NAMES[0]: KERNEL}))
     assert name == NAMES[0]
     assert code[4] == (0x40, "@!P0 BRA 0x10")
     assert code[2] == (0x20, "BSSY B0, 0x50")
@@ -65,7 +71,7 @@ def test_parse_keeps_predicates_and_addresses():
 
 
 def test_branch_targets_become_labels_before_their_instruction():
-    lines = sd.labelled(sd.parse(listing({NAMES[0]: KERNEL}))[0][1])
+    lines = sd.labelled(parse(listing({NAMES[0]: KERNEL}))[0][1])
     assert lines[1] == "L0:" and lines[2].startswith("IADD3")  # 0x10, the loop's head
     assert "@!P0 BRA L0" in lines and "BSSY B0, L1" in lines
     assert lines[lines.index("L1:") + 1].startswith("STG")   # 0x50, BSSY's reconvergence point
