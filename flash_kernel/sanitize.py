@@ -217,10 +217,12 @@ def tiny_cases():
         dict(b=1, tq=200, tk=331, h=2, h_k=2, d=128, dtype=torch.bfloat16, causal=True),
         # Head dim 80 on Hopper: the 128-wide tiles, their second 64-column box partly past d.
         dict(b=1, tq=257, tk=190, h=2, h_k=1, d=80, dtype=torch.bfloat16, causal=False),
-        # More tiles than an H100 has SMs: the persistent Hopper forward's blocks (and at hd64 the backward's) run two
-        # or three each, causal with Tq > Tk leaving one query block per head without keys (csrc/fwd_tile_scheduler.h,
-        # csrc/bwd_tile_scheduler.h).
+        # More tiles than an H100 has SMs: the persistent Hopper forward's blocks (and the backward's: at hd64, and
+        # at hd96 non-causal) run two or three each, causal with Tq > Tk leaving one query block per head without keys
+        # (csrc/fwd_tile_scheduler.h, csrc/bwd_tile_scheduler.h). The hd96 shape is one whose reference matmuls run
+        # cuBLAS kernels that racecheck reports nothing in (some shapes' do: docs/results.md, 45).
         dict(b=2, tq=400, tk=150, h=48, h_k=8, d=64, dtype=torch.bfloat16, causal=True),
+        dict(b=4, tq=64, tk=1100, h=8, h_k=2, d=96, dtype=torch.bfloat16, causal=False),
         dict(b=2, tq=300, tk=300, h=48, h_k=8, d=128, dtype=torch.float16, causal=False),
         # Head dim 64 non-causal: three warpgroups on 192-row tiles, the last of each head partly past Tq.
         dict(b=2, tq=400, tk=300, h=48, h_k=8, d=64, dtype=torch.bfloat16, causal=False),

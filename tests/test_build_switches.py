@@ -48,6 +48,7 @@ WGMMA = "wgmma.mma_async.sync.aligned."
 # a wgmma descriptor of the SW64 layout: layout type 2 in bits 62-63, the only 64-bit immediate with bit 63 set;
 # under FLASH_WGMMA_DESC_PAIR its high word, 0x80000020 (layout type 2, the 512-byte atom as stride)
 SW64_DESC = re.compile(r"or\.b64\s+%rd\d+, %rd\d+, -\d+;|mov\.u32\s+%r\d+, -2147483616;")
+TMA_STORE = "cp.async.bulk.tensor.4d.global.shared::cta"  # a TMA store of a tile (dK_j or dV_j) from shared memory
 TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the PTX that marks them,
     #  other switches held: FLASH_FWD_NARROW_PV, FLASH_BWD_NARROW_DKV and FLASH_BWD_NARROW_DQ narrow the 128-wide
     #  tiles only, which FLASH_FWD_HD96_SW64 and FLASH_BWD_HD96_SW64 replace at hd96)
@@ -63,7 +64,7 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, SW64_DESC, []),
     ("FLASH_BWD_HD96_SW64", "flash_bwd_hdim96_bf16.cu", 1, SW64_DESC, []),
     # not a tile: the persistent hd64 backward, whose dK_j and dV_j leave by TMA stores (one block per tile: threads')
-    ("FLASH_BWD_PERSISTENT", "flash_bwd_hdim64_bf16.cu", 1, "cp.async.bulk.tensor.4d.global.shared::cta", []),
+    ("FLASH_BWD_PERSISTENT", "flash_bwd_hdim64_bf16.cu", 1, TMA_STORE, []),
     # not a tile: the blocks' phase stamps (block_trace.h), read from the global timer
     ("FLASH_BWD_TRACE", "flash_bwd_hdim128_bf16.cu", 0, "%globaltimer", []),
 ]
@@ -76,6 +77,20 @@ def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, held
     marked = (lambda ptx: mark.search(ptx) is not None) if isinstance(mark, re.Pattern) else (lambda ptx: mark in ptx)
     assert marked(on) and not marked(off)
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
+
+
+def test_the_persistent_backward_runs_hd96_non_causal_only(device_ptx):
+    """FLASH_BWD_PERSISTENT at hd81-96, whose dK_j and dV_j leave by TMA stores from a buffer of their own: of the
+    hd96 file's Hopper backward kernels only the dense non-causal one on the 96-wide tiles stores them so (the causal
+    and varlen kernels and the hd80 twins run one block per tile, hopper_bwd_traits.h); with the switch off, none."""
+    def storing(defines):
+        kernels = _kernels(device_ptx("flash_bwd_hdim96_bf16.cu", defines), "flash_bwd_hopper_kernel")
+        assert len(kernels) == 6, [_name(k) for k in kernels]  # two tiles x (non-causal, causal, varlen / local)
+        return [_name(k) for k in kernels if TMA_STORE in k]
+
+    (kernel,) = storing([])
+    assert "HopperBwdTraitsILi96E" in kernel and "ELb0ELb0EEEv" in kernel, kernel  # 96 wide; not causal, not varlen
+    assert storing(["FLASH_BWD_PERSISTENT=0"]) == []
 
 
 UNMASKED = "EEELb0ELb0EEEv"  # a forward kernel's mangled template tail: neither causal nor varlen / local

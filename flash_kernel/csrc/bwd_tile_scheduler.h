@@ -6,8 +6,9 @@
 // and its epilogue (the last dQ_i reduce, the dK_j / dV_j stores) back to back: 2.1-2.7 loop trips per tile at head
 // dims 80-128 (bench/block_trace.py), a fifth of the blocks' cycles at 1k keys. A persistent block issues its next
 // tile's loads as soon as its main loop ends, so they land while it stores the current tile's dK_j and dV_j.
-// It runs where those fit the sdQ stage that the next tile's first dQ_i takes (Traits::kPersistent: hd64), so that
-// they leave by TMA stores that no thread waits for; the K and V tiles hold the next tile's loads by then.
+// It runs where those fit the sdQ stage that the next tile's first dQ_i takes (hd64) or a buffer of their own
+// (hd81-96, non-causal only; Traits::persistent), so that they leave by TMA stores that no thread waits for; the K
+// and V tiles hold the next tile's loads by then.
 //
 // Which tile next, as the forward's schedule (fwd_tile_scheduler.h) takes them:
 //   - non-causal: every tile visits the same query blocks, so block b takes tiles b, b + grid, b + 2 grid, ... in

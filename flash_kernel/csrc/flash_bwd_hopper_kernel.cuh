@@ -25,9 +25,9 @@
 // as two more wgmma groups, so that the dQ_i stores run while dK is on the tensor cores; dK_i completes (behind
 // S^T_{i+1} at kBlockM = 64) before the barrier that closes the iteration.
 // Line 19 after the loop, dK_j and dV_j through shared memory to global: one thread block per tile stages them in
-// the K and V tiles and stores 16-byte rows from its threads; the persistent kernel (Traits::kPersistent, hd64;
-// bwd_tile_scheduler.h) stages them in the next query block's sdQ stage and lets TMA stores run on, while its next
-// tile's K_j, V_j and first Q_i / dO_i land.
+// the K and V tiles and stores 16-byte rows from its threads; the persistent kernel (Traits::persistent: hd64, and
+// hd81-96 non-causal; bwd_tile_scheduler.h) stages them in the next query block's sdQ stage (hd64) or their own tiles
+// and lets TMA stores run on, while its next tile's K_j, V_j and first Q_i / dO_i land.
 // Q_i and dO_i serve both as K-major (lines 11, 14) and N-major (13, 17) operands of the same swizzled tile,
 // as K and V do in the forward. The non-deterministic mode only: deterministic backward runs the sm80 kernel
 // (flash_bwd_launch_template.cuh), whose ordered splits need one writer per dq_accum element.
@@ -95,7 +95,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sQ = sV + Traits::kSmemKVBytes;                  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdO = sQ + kNStages * Traits::kSmemQBytes;  // [kNStages][swizzled kBlockM x kHeadDim]
     const uint32_t sdS = sdO + kNStages * Traits::kSmemQBytes; // [swizzled kBlockN x kBlockM]: dS^T
-    float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes);  // [kNStages][kBlockM]: L_i
+    // The persistent kernel's own tiles for dK_j and dV_j (Traits::kSmemDkvBytes, in K's layout), between the tiles
+    // and L_i; none in a kernel that runs one block per tile.
+    constexpr bool kPersistent = !kVarlenOrLocal && Traits::persistent(kIsCausal);
+    constexpr int kSmemDkvBytes = kPersistent ? Traits::kSmemDkvBytes : 0;
+    const uint32_t sDkv = sK + Traits::kSmemTileBytes;
+    float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes + kSmemDkvBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + kNStages * kBlockM;  // [kDqStages][kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled
     const uint32_t sdQ_addr = smem_addr(sdQ);
@@ -105,7 +110,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // The block's first tile: tile blockIdx.x of the persistent schedule (bwd_tile_scheduler.h), or its grid's.
     // Causal: from 2048 keys, longest key blocks first, (batch, head) pairs in L2-sized groups (causal_order.h).
-    constexpr bool kPersistent = !kVarlenOrLocal && Traits::kPersistent;
     const BlockCoord first = kPersistent ? bwd_tile_coord(tiles, blockIdx.x)
                                          : bwd_block_coord<kIsCausal>(params.bwd_causal_group, params.num_sms);
     const int tid = threadIdx.x;
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int d = params.d;
     const float scale_log2 = params.scale_softmax_log2;
 
-    // The tiles of this block: the dense kernel is persistent (Traits::kPersistent; bwd_tile_scheduler.h: tiles from
+    // The tiles of this block: the dense kernel is persistent (Traits::persistent; bwd_tile_scheduler.h: tiles from
     // blockIdx.x on), or runs tile blockIdx.x; kVarlenOrLocal runs one tile per block, its grid's.
     using QIndex = std::conditional_t<kPersistent, uint32_t, int>;
     // The block's place in its tiles, in shared memory rather than registers (the main loop has none to spare): the
@@ -454,7 +458,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // the other stage).
             if (tid == 0) {
                 // Persistent: a tile's first dQ_i takes the stage that the tile before staged dK_j / dV_j in.
-                if (kPersistent && m_block == m_block_min) bulk_wait_group_read<0>();
+                if (kPersistent && Traits::kDkvInSdq && m_block == m_block_min) bulk_wait_group_read<0>();
                 else bulk_wait_group_read<Traits::kDqStages - 1>();
             }
             fence_view_async_shared();
@@ -606,7 +610,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (after.tile < tiles.num_tiles) load_tile(tile_view(after.tile), after.q_loads);
         // dK_j and dV_j go to the sdQ stage of the next query block (q_last + 1, or this tile's first where it has
         // none), whose reduce is complete once all but the newest bulk group have read (that newest: the last dQ_i's
-        // reduce, which runs on; with no query block, the tile before's dK / dV stores out of this very stage).
+        // reduce, which runs on; with no query block, the tile before's dK / dV stores out of this very stage); or to
+        // their own buffer, which the tile before's stores have read by then too.
         if (tid == 0) {
             trace.stamp(3);
             if (m_block_min < m_block_max) bulk_wait_group_read<1>();
@@ -614,18 +619,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         __syncthreads();
         const uint32_t stage_off = sdq_stage(after.q_loads);
+        unsigned char* dkv_tile = Traits::kDkvInSdq ? reinterpret_cast<unsigned char*>(sdQ) + stage_off
+                                                    : smem + Traits::kSmemTileBytes;
+        const uint32_t dkv = Traits::kDkvInSdq ? sdQ_addr + stage_off : sDkv;  // dkv_tile's shared-memory address
         // This thread's rows and column pairs through a 0 the compiler cannot see (a volatile load), so that it
         // computes them here: hoisted out of the tile loop, they would hold registers through the main loop.
         const int zero = *static_cast<volatile int*>(&state.zero);
-        stage_dkv(reinterpret_cast<unsigned char*>(sdQ) + stage_off, key_row + zero, t + zero);
+        stage_dkv(dkv_tile, key_row + zero, t + zero);
         fence_view_async_shared();
         __syncthreads();
         // Written by the TMA unit (the maps' bounds leave out keys past Tk and columns past d); the next tile's first
-        // dQ_i, into this stage, waits for their reads (bulk_wait_group_read<0> in its first iteration).
+        // dQ_i, where it takes this stage, waits for their reads (bulk_wait_group_read<0> in its first iteration).
         if (tid == 0) {
-            tma_store_rows<kBlockN, kHeadDim, kSpan>(&maps.dk, sdQ_addr + stage_off, key0, bidh, v.batch_coord);
-            tma_store_rows<kBlockN, kHeadDim, kSpan>(&maps.dv, sdQ_addr + stage_off + Traits::kSmemKVBytes, key0, bidh,
-                                                     v.batch_coord);
+            tma_store_rows<kBlockN, kHeadDim, kSpan>(&maps.dk, dkv, key0, bidh, v.batch_coord);
+            tma_store_rows<kBlockN, kHeadDim, kSpan>(&maps.dv, dkv + Traits::kSmemKVBytes, key0, bidh, v.batch_coord);
             bulk_commit_group();
             trace.stamp(4);
             trace.write(params.block_trace, params.block_trace_rows, here.tile, bidb, bidh, n_block,

@@ -12,7 +12,7 @@
 
 namespace flash {
 
-// Alg. 2 lines 6-20 on sm_90a (flash_bwd_hopper_kernel.cuh) over (K/V block, head, batch) tiles: Traits::kPersistent,
+// Alg. 2 lines 6-20 on sm_90a (flash_bwd_hopper_kernel.cuh) over (K/V block, head, batch) tiles: Traits::persistent,
 // one thread block per SM looping over them (bwd_tile_scheduler.h; causal: from p.tile_counter), else one per tile.
 // Q, dO, K and V are read through tensor maps (TMA). Varlen and windowed calls run the kVarlenOrLocal kernel, one
 // thread block per tile of max_seqlen_k's key blocks per sequence.
@@ -28,21 +28,21 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
                                                              p.do_row_stride, p.do_head_stride, p.do_batch_stride)));
     if (is_varlen_or_local(p)) {
         return launch_kernel(&flash_bwd_hopper_kernel<Traits, false, true>, dim3(ceil_div(p.seqlen_k, kN), p.h, p.b),
-                             Traits::kNThreads, Traits::kSmemBytes, stream, p, maps, BwdTiles{});
+                             Traits::kNThreads, Traits::kSmemOneBlockBytes, stream, p, maps, BwdTiles{});
     }
     if (p.is_causal && p.tile_counter == nullptr) return cudaErrorInvalidValue;  // the caller owns the zeroed counter
     const BwdTiles tiles = bwd_tiles<kN>(p);
-    if constexpr (Traits::kPersistent) {  // its dK_j and dV_j go out by TMA stores
+    if (Traits::persistent(p.is_causal)) {  // its dK_j and dV_j go out by TMA stores
         FLASH_RETURN_IF_ERROR((make_tile_map<Element, kN, kSpan>(&maps.dk, p.dk_ptr, p.d, rows.k, p.h, rows.batches,
                                                                  p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride)));
         FLASH_RETURN_IF_ERROR((make_tile_map<Element, kN, kSpan>(&maps.dv, p.dv_ptr, p.d, rows.k, p.h, rows.batches,
                                                                  p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride)));
     }
     return FLASH_BOOL_SWITCH(p.is_causal, kIsCausal, [&]() -> cudaError_t {
-        const dim3 grid = Traits::kPersistent ? dim3(std::min(p.num_sms, tiles.num_tiles))
-                                              : dim3(ceil_div(p.seqlen_k, kN), p.h, p.b);
+        const dim3 grid = Traits::persistent(kIsCausal) ? dim3(std::min(p.num_sms, tiles.num_tiles))
+                                                        : dim3(ceil_div(p.seqlen_k, kN), p.h, p.b);
         return launch_kernel(&flash_bwd_hopper_kernel<Traits, kIsCausal>, grid, Traits::kNThreads,
-                             Traits::kSmemBytes, stream, p, maps, tiles);
+                             Traits::smem_bytes(kIsCausal), stream, p, maps, tiles);
     });
 }
 

@@ -36,9 +36,10 @@
 #ifndef FLASH_BWD_HD96_SW64
 #define FLASH_BWD_HD96_SW64 1
 #endif
-// FLASH_BWD_PERSISTENT (on): where dK_j and dV_j fit one sdQ stage (hd64), the dense kernel is persistent, one thread
-// block per SM looping over tiles, each loading its next tile's K_j, V_j and first Q_i / dO_i while it stores the
-// current one's dK_j and dV_j (bwd_tile_scheduler.h); off, and at the other head dims, one thread block per tile.
+// FLASH_BWD_PERSISTENT (on): where dK_j and dV_j fit one sdQ stage (hd64) or a buffer of their own (hd81-96 on SW64
+// tiles, non-causal), the dense kernel is persistent, one thread block per SM looping over tiles, each loading its
+// next tile's K_j, V_j and first Q_i / dO_i while it stores the current one's dK_j and dV_j (bwd_tile_scheduler.h);
+// off, and at the other head dims, one thread block per tile.
 #ifndef FLASH_BWD_PERSISTENT
 #define FLASH_BWD_PERSISTENT 1
 #endif
@@ -99,14 +100,27 @@ struct HopperBwdTraits {
     // TMA unit's reads of dQ_{i-2} (one iteration old), not of dQ_{i-1} (issued in this iteration), so that the other
     // warps do not wait at that barrier for the reduce.
     static constexpr int kDqStages = 2;
-    // The dense kernel's schedule (bwd_tile_scheduler.h): persistent where dK_j and dV_j, in K's layout, fit the sdQ
-    // stage that the next tile's first dQ_i takes (kBlockM = 128: hd64). Staged elsewhere (in sdQ once the last dQ_i
-    // reduce has read it, or stored from registers), they cost what the persistence saves (docs/results.md, 42-43).
-    static constexpr bool kPersistent = FLASH_BWD_PERSISTENT != 0 && 2 * kSmemKVBytes <= kSmemDqBytes;
     static constexpr int kSmemBarBytes = 8 * (1 + kNStages);                 // mbarriers: K/V, Q_i/dO_i per stage
-    // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
-    static constexpr int kSmemBytes =
+    // The dense kernel's schedule (bwd_tile_scheduler.h): persistent where dK_j and dV_j, in K's layout, leave by TMA
+    // stores that no thread waits for: from the sdQ stage that the next tile's first dQ_i takes, where they fit it
+    // (kBlockM = 128: hd64; kDkvInSdq), or from a buffer of their own where shared memory has room for one (the
+    // 96-wide SW64 tiles; kSmemDkvBytes). Staged elsewhere (in sdQ once the last dQ_i reduce has read it, or stored
+    // from registers), they cost what the persistence saves (docs/results.md, 42-43).
+    static constexpr bool kDkvInSdq = 2 * kSmemKVBytes <= kSmemDqBytes;
+    static constexpr int kSmemOneBlockBytes =
         kSmemTileBytes + kSmemRowStatBytes + kDqStages * kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
+    static constexpr bool kDkvOwnBuffer = !kDkvInSdq && kSmemOneBlockBytes + 2 * kSmemKVBytes <= kMaxSmemBytesSm90;
+    static constexpr bool kPersistent = FLASH_BWD_PERSISTENT != 0 && (kDkvInSdq || kDkvOwnBuffer);
+    static constexpr int kSmemDkvBytes = kPersistent && kDkvOwnBuffer ? 2 * kSmemKVBytes : 0;  // after the tiles
+    // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
+    static constexpr int kSmemBytes = kSmemOneBlockBytes + kSmemDkvBytes;
+    // Whether the dense kernel of this causality is the persistent one. With a buffer of its own the persistent
+    // kernel runs non-causal only, where it ran 1.01-1.02 x the one-block kernel's speed; causal it ran 0.93-1.04 x
+    // (docs/results.md, 45).
+    __host__ __device__ static constexpr bool persistent(bool causal) { return kPersistent && (kDkvInSdq || !causal); }
+    __host__ __device__ static constexpr int smem_bytes(bool causal) {
+        return persistent(causal) ? kSmemBytes : kSmemOneBlockBytes;
+    }
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
     static_assert(kHeadDim % kBlockElems == 0, "the tile width must be whole column blocks (of 64, or 32 for SW64)");
