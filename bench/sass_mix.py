@@ -4,7 +4,8 @@ issues against another's (FlashAttention-4's, say), without a GPU.
 Each input is a cubin, an object or shared library with embedded cubins (`cuobjdump -sass` reads them), a PTX file
 (compiled first by `ptxas -arch=<its .target>`), or SASS text that cuobjdump printed. Of every kernel whose name
 matches --kernel, the main loop is the backward branch whose range holds the most tensor-core instructions
-(HGMMA, HMMA; the most instructions where there are none); its instructions are counted by class and by opcode.
+(HGMMA, HMMA; the most instructions where there are none) and holds no other loop that has any (a persistent kernel's
+loop over its tiles holds its main loop); its instructions are counted by class and by opcode.
 The counts are static: an instruction on a path the loop skips at run time (a diagonal block's mask, say) counts as
 much as one every iteration runs, and spin loops on an mbarrier, placed out of line, are not the main loop.
 
@@ -115,12 +116,23 @@ def body(kernel: Kernel, loop: tuple[int, int]) -> list[str]:
 
 
 def main_loop(kernel: Kernel) -> tuple[int, int] | None:
-    """The loop with the most tensor-core instructions, then the most instructions; None without a loop."""
+    """Of the innermost loops over tensor-core instructions (none of their nested loops has any), the one with the
+    most of them, then the most instructions: a persistent kernel's loop over its tiles holds the main loop with each
+    tile's prologue and epilogue, so it is not the main loop. Without tensor-core instructions, the loop with the most
+    instructions; None without a loop."""
+    def tensor(loop):
+        return sum(1 for text in body(kernel, loop) if TENSOR.match(text))
+
     def weight(loop):
-        code = body(kernel, loop)
-        return sum(1 for text in code if TENSOR.match(text)), len(code)
+        return tensor(loop), len(body(kernel, loop))
+
+    def nested(inner, outer):
+        return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
+
     candidates = loops(kernel)
-    return max(candidates, key=weight) if candidates else None
+    innermost = [loop for loop in candidates
+                 if tensor(loop) and not any(nested(other, loop) and tensor(other) for other in candidates)]
+    return max(innermost or candidates, key=weight) if candidates else None
 
 
 @dataclass

@@ -60,6 +60,31 @@ def test_the_main_loop_is_the_backward_branch_over_the_most_tensor_core_instruct
     assert sm.main_loop(convert) is None
 
 
+# A persistent kernel as cuobjdump prints it: a loop over tiles (0x10-0x90) holds each tile's first and last HGMMAs
+# and the main loop (0x20-0x60), which holds an inline spin wait (0x30-0x40) without any.
+PERSISTENT = """
+\tcode for sm_90a
+\t\tFunction : _ZN5flash10persistentEv
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+UR5+0x8000], R2 ;
+        /*0040*/              @!P0 BRA 0x30 ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, R208, gdesc[UR8].tnspB, R24, gsb0 ;
+        /*0060*/               @P1 BRA 0x20 ;
+        /*0070*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0080*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0090*/               @P2 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_the_main_loop_of_a_persistent_kernel_is_inside_its_loop_over_tiles():
+    (kernel,) = sm.parse_sass(PERSISTENT)
+    assert sm.loops(kernel) == [(0x30, 0x40), (0x20, 0x60), (0x10, 0x90)]
+    assert sm.main_loop(kernel) == (0x20, 0x60)  # two HGMMAs, where the tile loop has five
+
+
 def test_instructions_are_classed_by_opcode():
     assert sm.class_of("HGMMA.64x64x16.F32.BF16") == sm.class_of("WARPGROUP.ARRIVE") == "tensor core"
     assert sm.class_of("UMOV") == sm.class_of("UIADD3") == sm.class_of("R2UR") == "uniform datapath"
