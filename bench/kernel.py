@@ -185,8 +185,7 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         raise ValueError(f"unknown inputs {inputs!r}; choose from {INPUTS}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    if method == "ours_candidate" and CANDIDATE is None and not CANDIDATE_OVERRIDES:
-        raise BackendUnsupported("no --candidate build or --candidate-overrides given")
+    require_candidate(method)
     if heads % gqa:
         raise ValueError(f"--gqa {gqa} does not divide the {heads} heads")
     if method == "naive" and gqa > 1:
@@ -225,6 +224,12 @@ def make_method(method: str, batch: int, heads: int, seqlen: int, head_dim: int,
         elif method == "ours_candidate":
             context = _candidate_context
     return (*leaves, do), fn, context
+
+
+def require_candidate(method: str) -> None:
+    """ours_candidate runs only where a --candidate build or --candidate-overrides was given."""
+    if method == "ours_candidate" and CANDIDATE is None and not CANDIDATE_OVERRIDES:
+        raise BackendUnsupported("no --candidate build or --candidate-overrides given")
 
 
 def use_candidate(path: Path | None, overrides: dict[str, int | str], methods: list[str]) -> None:
@@ -661,12 +666,7 @@ def parse_args(argv=None):
     p.add_argument("--results", type=Path, default=RESULTS, help="JSON file the parts merge into")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the table and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
-    p.add_argument("--candidate", type=Path, default=None, metavar="SO",
-                   help="another build of the extension (`python -m flash_kernel.build --out DIR` prints its file), "
-                        "timed as method ours_candidate; keep its rows apart with --results")
-    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="flash_kernel.interface.kernel_overrides for ours_candidate (e.g. bwd_causal_group_heads=1, "
-                        "causal_group_heads=4, bwd=sm80): the package's build, or --candidate's, under them")
+    add_candidate_arguments(p)
     p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (k and v get heads / gqa)")
     p.add_argument("--clocks", action="store_true",
                    help="record the SM clock and power draw (nvidia-smi) while each method is timed: row fields "
@@ -674,18 +674,34 @@ def parse_args(argv=None):
     p.add_argument("--varlen", action="store_true",
                    help="the document-masked and sliding-window grid instead (bench/kernel_varlen.py; `--varlen --help`)")
     args = p.parse_args(argv)
-    args.candidate_overrides = _parse_overrides(p, args.candidate_overrides)
+    read_candidate_arguments(p, args, METHODS)
     if args.rep_ms is None:
         args.rep_ms = CLOCKS_REP_MS if args.clocks else REP_MS
-    if args.methods is None:
-        candidate = args.candidate is not None or args.candidate_overrides
-        args.methods = [m for m in METHODS if m != "ours_candidate" or candidate]
     args.causal = [bool(c) for c in args.causal]
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.gqa < 1 or any((HIDDEN // hd) % args.gqa for hd in args.hdims):
         p.error(f"--gqa {args.gqa} must divide every head dim's {HIDDEN} // hd heads: {[HIDDEN // hd for hd in args.hdims]}")
     return args
+
+
+def add_candidate_arguments(p: argparse.ArgumentParser) -> None:
+    """--candidate and --candidate-overrides (this grid's and the varlen grid's)."""
+    p.add_argument("--candidate", type=Path, default=None, metavar="SO",
+                   help="another build of the extension (`python -m flash_kernel.build --out DIR` prints its file), "
+                        "timed as method ours_candidate in turn with ours; keep its rows apart with --results")
+    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="flash_kernel.interface.kernel_overrides for ours_candidate (e.g. bwd_causal_group_heads=1, "
+                        "causal_group_heads=4, bwd=sm80): the package's build, or --candidate's, under them")
+
+
+def read_candidate_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str]) -> None:
+    """--candidate-overrides parsed; --methods left out: every one of `methods`, ours_candidate only where a
+    candidate build or overrides were given."""
+    args.candidate_overrides = _parse_overrides(p, args.candidate_overrides)
+    if args.methods is None:
+        with_candidate = args.candidate is not None or args.candidate_overrides
+        args.methods = [m for m in methods if m != "ours_candidate" or with_candidate]
 
 
 def _parse_overrides(p: argparse.ArgumentParser, pairs: list[str]) -> dict[str, int | str]:

@@ -220,8 +220,7 @@ def make_method(method: str, case: Case, dtype, device=dense.DEVICE):
     window_size = (case.window, 0)
     batch, seqlen = (len(case.lengths), case.lengths[0]) if case.grid == "window" else dense_shape(case.lengths, total)
     # ours_candidate: ours' function and tensors, run by the --candidate build (bench.kernel's candidate context)
-    if method == "ours_candidate" and dense.CANDIDATE is None and not dense.CANDIDATE_OVERRIDES:
-        raise dense.BackendUnsupported("no --candidate build or --candidate-overrides given")
+    dense.require_candidate(method)
     context = dense._candidate_context if method == "ours_candidate" else contextlib.nullcontext
     ours = method in ("ours", "ours_candidate")
     if case.grid == "docs" and (ours or method == "fa4"):
@@ -484,16 +483,9 @@ def parse_args(argv=None):
                    help="where `make data` prepared the default corpus (else the committed lengths are used)")
     p.add_argument("--plot-only", action="store_true", help="no GPU: redraw the tables and figure from --results")
     p.add_argument("--device", default=None, help="with --plot-only: which device's results (default: all)")
-    p.add_argument("--candidate", type=Path, default=None, metavar="SO",
-                   help="another build of flash_kernel (`python -m flash_kernel.build --out DIR`), timed as method "
-                        "ours_candidate in turn with ours (bench/kernel.py's --candidate)")
-    p.add_argument("--candidate-overrides", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="flash_kernel.interface.kernel_overrides for ours_candidate (bench/kernel.py's)")
+    dense.add_candidate_arguments(p)
     args = p.parse_args(argv)
-    args.candidate_overrides = dense._parse_overrides(p, args.candidate_overrides)
-    if args.methods is None:
-        with_candidate = args.candidate is not None or args.candidate_overrides
-        args.methods = [m for m in METHODS if m != "ours_candidate" or with_candidate]
+    dense.read_candidate_arguments(p, args, METHODS)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     for name, values in (("--hdims", args.hdims), ("--window-seqlens", args.window_seqlens)):
