@@ -120,19 +120,17 @@ def main_loop(kernel: Kernel) -> tuple[int, int] | None:
     most of them, then the most instructions: a persistent kernel's loop over its tiles holds the main loop with each
     tile's prologue and epilogue, so it is not the main loop. Without tensor-core instructions, the loop with the most
     instructions; None without a loop."""
-    def tensor(loop):
-        return sum(1 for text in body(kernel, loop) if TENSOR.match(text))
+    weight = {}  # loop -> (tensor-core instructions, instructions)
+    for loop in loops(kernel):
+        code = body(kernel, loop)
+        weight[loop] = sum(1 for text in code if TENSOR.match(text)), len(code)
 
-    def weight(loop):
-        return tensor(loop), len(body(kernel, loop))
+    def holds_tensor_loop(outer):
+        return any(inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1] and weight[inner][0]
+                   for inner in weight)
 
-    def nested(inner, outer):
-        return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
-
-    candidates = loops(kernel)
-    innermost = [loop for loop in candidates
-                 if tensor(loop) and not any(nested(other, loop) and tensor(other) for other in candidates)]
-    return max(innermost or candidates, key=weight) if candidates else None
+    innermost = [loop for loop in weight if weight[loop][0] and not holds_tensor_loop(loop)]
+    return max(innermost or weight, key=weight.get) if weight else None
 
 
 @dataclass
