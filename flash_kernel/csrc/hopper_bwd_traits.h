@@ -115,8 +115,8 @@ struct HopperBwdTraits {
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes = kSmemOneBlockBytes + kSmemDkvBytes;
     // Whether the dense kernel of this causality is the persistent one. With a buffer of its own the persistent
-    // kernel runs non-causal only: there it is 1.01-1.02 x the one-block kernel's speed, causal 0.93-1.04 x
-    // (docs/results.md, 45).
+    // kernel runs non-causal only: there it is 1.01-1.02 x the one-block kernel's speed, causal 0.93-1.04 x, and
+    // 0.99-1.00 x with its main loop at each of seven offsets within a 128-byte line (docs/results.md, 45-46).
     __host__ __device__ static constexpr bool persistent(bool causal) { return kPersistent && (kDkvInSdq || !causal); }
     __host__ __device__ static constexpr int smem_bytes(bool causal) {
         return persistent(causal) ? kSmemBytes : kSmemOneBlockBytes;
