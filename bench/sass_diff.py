@@ -11,6 +11,11 @@ the mangled name where c++filt is missing), so a kernel that gains a parameter k
   - N lines apart: the size of a line diff of the two listings with registers erased and branch targets as labels
     (a moved instruction counts twice, once each side), with the first --show of those lines.
 
+Each pair's main loops (bench/sass_mix.py's) are compared the same way, their branch targets taken relative to the
+loop, and where each starts within a 128-byte line: the same loop starting elsewhere in its line has run the hd96
+backward about 1% slower or faster for that alone (docs/results.md, section 46), so a change that moves a main loop
+is timed against that spread.
+
     # one .cu file of each tree, compiled as the build compiles it (no torch needed), then compared
     nvcc -cubin -O3 -std=c++17 --use_fast_math -gencode arch=compute_90a,code=sm_90a -DFLASH_KERNEL_SM90A \\
         -I flash_kernel/csrc flash_kernel/csrc/flash_bwd_hdim128_bf16.cu -o new.cubin    # and old.cubin in the other
@@ -83,6 +88,51 @@ def erased(lines: list[str]) -> list[str]:
     return [REGISTER.sub(lambda m: m.group(1), line) for line in lines]
 
 
+def line_diff(a: list[str], b: list[str]) -> list[str]:
+    """The lines of a unified diff of two erased listings that one side has and the other has not."""
+    return [line for line in difflib.unified_diff(erased(a), erased(b), "old", "new", n=0, lineterm="")
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+def apart(diff: list[str]) -> str:
+    return f"{len(diff)} line{'' if len(diff) == 1 else 's'} apart"
+
+
+LINE_BYTES = 128  # instruction fetch's line: where in one a main loop starts
+
+
+def main_loop(listing: Listing) -> tuple[int, list[str]] | None:
+    """A listing's main loop (bench/sass_mix.py's choice): its start address, and its instructions with branch
+    targets inside it as labels and those outside it as distances in bytes from its nearer end (`start-N`,
+    `end+N`), so that the same loop elsewhere in its function reads the same. None without a loop."""
+    stripped = sass_mix.Kernel(listing.name, [(a, sass_mix.PREDICATE.sub("", t)) for a, t in listing.code])
+    loop = sass_mix.main_loop(stripped)
+    if loop is None:
+        return None
+    lo, hi = loop
+
+    def target(address: int) -> str:
+        if address < lo:
+            return f"start-{lo - address}"
+        return f"end+{address - hi}" if address > hi else f"{address - lo:#x}"
+
+    def rebased(text: str) -> str:
+        return ADDRESS.sub(lambda m: target(int(m.group(0), 16)), text) if CONTROL.match(text) else text
+    return lo, labelled([(a - lo, rebased(t)) for a, t in listing.code if lo <= a <= hi])
+
+
+def compare_loops(old: Listing, new: Listing) -> str:
+    """The main loops of a pair: "the same" (one program, up to register allocation) or how many lines apart, then
+    where each starts in its 128-byte line ("at 64", or "at 64 -> 80" where the loop moved within its line)."""
+    loops = [main_loop(x) for x in (old, new)]
+    if None in loops:
+        return "-"
+    (lo_a, a), (lo_b, b) = loops
+    code = "the same" if renamed(a) == renamed(b) else apart(line_diff(a, b))
+    starts = [lo % LINE_BYTES for lo in (lo_a, lo_b)]
+    return f"{code}, at {starts[0]}" + (f" -> {starts[1]}" if starts[1] != starts[0] else "")
+
+
 @dataclass
 class Comparison:
     key: str
@@ -90,19 +140,20 @@ class Comparison:
     new: Listing | None
     verdict: str       # identical, renamed, "N lines apart", only in old / new
     diff: list[str]    # the line diff of the erased listings (empty where identical or renamed)
+    loop: str = "-"    # the main loops: "the same" or "N lines apart", and where each starts (compare_loops)
 
 
 def compare(key: str, old: Listing | None, new: Listing | None) -> Comparison:
     if old is None or new is None:
         return Comparison(key, old, new, "only in new" if old is None else "only in old", [])
+    loop = compare_loops(old, new)
     a, b = labelled(old.code), labelled(new.code)
     if a == b:
-        return Comparison(key, old, new, "identical", [])
+        return Comparison(key, old, new, "identical", [], loop)
     if renamed(a) == renamed(b):
-        return Comparison(key, old, new, "renamed", [])
-    diff = [line for line in difflib.unified_diff(erased(a), erased(b), "old", "new", n=0, lineterm="")
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    return Comparison(key, old, new, f"{len(diff)} line{'' if len(diff) == 1 else 's'} apart", diff)
+        return Comparison(key, old, new, "renamed", [], loop)
+    diff = line_diff(a, b)
+    return Comparison(key, old, new, apart(diff), diff, loop)
 
 
 def listings(path: Path, pattern: str) -> dict[str, Listing]:
@@ -118,10 +169,11 @@ def pairs(old: dict[str, Listing], new: dict[str, Listing]) -> list[Comparison]:
 
 def report(comparisons: list[Comparison], labels: tuple[str, str], show: int) -> str:
     """Markdown: one row per kernel, then the first `show` differing lines of each pair that differs."""
-    lines = [f"| kernel | {labels[0]} instructions | {labels[1]} instructions | |", "|---|---|---|---|"]
+    lines = [f"| kernel | {labels[0]} instructions | {labels[1]} instructions | "
+             f"| main loop, its start mod {LINE_BYTES} |", "|---|---|---|---|---|"]
     for c in comparisons:
         count = [str(len(x.code)) if x else "-" for x in (c.old, c.new)]
-        lines.append(f"| `{c.key}` | {count[0]} | {count[1]} | {c.verdict} |")
+        lines.append(f"| `{c.key}` | {count[0]} | {count[1]} | {c.verdict} | {c.loop} |")
     for c in comparisons:
         if c.diff and show > 0:
             lines += ["", f"`{c.key}` (- {labels[0]}, + {labels[1]}):", "```", *c.diff[:show]]

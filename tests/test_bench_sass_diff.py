@@ -111,6 +111,29 @@ def test_two_instructions_swapped_count_twice():
     assert sorted(line[0] for line in c.diff) == ["+", "-"] and c.diff[0][1:] == c.diff[1][1:]
 
 
+def test_a_loop_moved_by_code_before_it_is_the_same_loop_elsewhere_in_its_line():
+    # One instruction before the loop: every address from the loop on moves by 16 bytes, the BSSY's target (past the
+    # loop) with them, so the loop is the same code, 16 bytes further into its 128-byte line.
+    c = compare(KERNEL, KERNEL[:1] + ["NOP"] + KERNEL[1:])
+    assert c.verdict == "1 line apart"
+    assert c.loop == "the same, at 16 -> 32"
+    assert compare(KERNEL, list(KERNEL)).loop == "the same, at 16"
+
+
+def test_a_loop_with_an_instruction_more_or_a_target_moved_is_not_the_same_loop():
+    inside = KERNEL[:3] + ["NOP"] + KERNEL[3:]
+    assert compare(KERNEL, inside).loop == "1 line apart, at 16"
+    # An instruction between the loop and the BSSY's target: the loop's code is the same but that branch reaches
+    # 16 bytes further.
+    after = KERNEL[:6] + ["NOP"] + KERNEL[6:]
+    assert compare(KERNEL, after).loop == "2 lines apart, at 16"
+
+
+def test_a_kernel_without_a_loop_has_no_loop_to_compare():
+    c = compare(OTHER, OTHER)
+    assert c.verdict == "identical" and c.loop == "-"
+
+
 def test_kernels_without_a_pair_and_check(tmp_path, capsys):
     old = tmp_path / "old.sass"
     new = tmp_path / "new.sass"
@@ -118,7 +141,7 @@ def test_kernels_without_a_pair_and_check(tmp_path, capsys):
     new.write_text(listing({NAMES[0]: KERNEL, NAMES[1]: OTHER}))
     assert sd.main([str(old), str(new)]) == 0
     out = capsys.readouterr().out
-    assert "| identical |" in out and "| only in new |" in out
+    assert "| identical | the same, at 16 |" in out and "| only in new | - |" in out
     assert sd.main([str(old), str(new), "--check"]) == 1
     assert sd.main([str(old), str(old), "--check"]) == 0
 
