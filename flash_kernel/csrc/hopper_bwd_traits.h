@@ -31,8 +31,9 @@
 #endif
 // FLASH_BWD_HD96_SW64 (on): head dims 81-96 (the hd96 config's Traits) store Q, dO, K and V 96 columns wide in the
 // SW64 layout (as the forward's FLASH_FWD_HD96_SW64) instead of 128 in SW128, whose last 32 columns TMA fills with
-// zeros: a quarter fewer bytes per Q_i / dO_i stage and per K_j / V_j, 162 KiB of shared memory instead of 194. dS^T
-// and sdQ keep their layouts; the hd80 twins keep SW128.
+// zeros: a quarter fewer bytes per Q_i / dO_i stage and per K_j / V_j, 162 KiB of shared memory instead of 194, and
+// with every SM loading, TMA lands a 64-row tile of d = 96 as three SW64 boxes in 379 cycles against 435 for two SW128
+// boxes (bench/layout_rates.cu). dS^T and sdQ keep their layouts; the hd80 twins keep SW128 (HopperBwdConfig<96>).
 #ifndef FLASH_BWD_HD96_SW64
 #define FLASH_BWD_HD96_SW64 1
 #endif
@@ -155,8 +156,10 @@ template <typename E> struct HopperBwdConfig<96, E> {
     using Traits = HopperBwdTraits<kWidth, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : kWidth, 96,
                                    FLASH_BWD_HD96_SW64 != 0 ? 64 : kSwizzleRowBytes>;
     // FLASH_NARROW_HD80 (hopper_kernel_traits.h): head dims up to 80 on 5 k16 steps and 80 columns of dK and dV, on
-    // the 128-wide tiles (in SW64 the non-causal backward ran 0.93-0.97 x); dQ's rows stay 96 floats, the rows the
-    // convert kernel of this head dim reads.
+    // the 128-wide tiles; dQ's rows stay 96 floats, the rows the convert kernel of this head dim reads. At d = 80 the
+    // third SW64 box is half past d and costs TMA a whole box: a 64-row tile lands in 509 cycles against 443 in two
+    // SW128 boxes (bench/layout_rates.cu, every SM loading), and in SW64 the non-causal backward ran 0.93-0.97 x
+    // (docs/results.md, sections 40 and 47).
     static constexpr int kNarrowDim = kNarrowHd80Dim;
     using NarrowTraits = HopperBwdTraits<128, E, 96, 64, 80, 80>;
 };
