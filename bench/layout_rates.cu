@@ -13,7 +13,6 @@
 // TMA: one thread per SM loads 64-row tiles (rows of head blockIdx % 16, an L2-resident tensor) through 4 stages, each
 // tile as boxes of the layout's width (a box partly past d still writes its whole width, zeros past d). Every SM loads
 // at once, so the rates are what the GPU's L2 sustains into all SMs together, per SM.
-#include <cuda.h>  // CUtensorMap and its enums (the encoder comes from the runtime)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "hopper_tma.h"  // the kernels' TMA, mbarrier and wgmma helpers, and the runtime's tensor-map encoder
 #include "wgmma.cuh"
 
 namespace {
@@ -36,12 +36,8 @@ namespace {
 
 constexpr int kSmemBytes = 200 * 1024;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
-    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t{1023});
-}
-
-// The wgmma descriptor's layout type (PTX ISA, "Matrix Descriptor Format") of a swizzle whose rows are kBytes long.
+// The wgmma descriptor's layout type (PTX ISA, "Matrix Descriptor Format") of a swizzle whose rows are kBytes long,
+// and a descriptor of any of them (hopper_utils.cuh's make_smem_desc has the kernels' SW128 and SW64 only).
 __host__ __device__ constexpr uint64_t desc_layout(int bytes) { return bytes == 128 ? 1 : bytes == 64 ? 2 : 3; }
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint64_t layout) {
     return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
@@ -53,7 +49,7 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
 template <int kBytes, int N, int kKSteps, int kTransB>
 __global__ void __launch_bounds__(384, 1) wgmma_loop(long long* cycles, float* sink, int iters) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = align_1024(smem_raw);
+    unsigned char* smem = flash::align_smem<1024>(smem_raw);
     constexpr int kElems = kBytes / 2;  // elements per row of a column block
     constexpr int kK = 16 * kKSteps;
     const int warpgroups = blockDim.x / 128, wg = threadIdx.x / 128;
@@ -63,10 +59,10 @@ __global__ void __launch_bounds__(384, 1) wgmma_loop(long long* cycles, float* s
     for (int i = threadIdx.x; i < (a_blocks * static_cast<int>(a_block_bytes) + b_bytes) / 2; i += blockDim.x) {
         reinterpret_cast<__nv_bfloat16*>(smem)[i] = __float2bfloat16(0.001f * ((i * 37) % 101 - 50));
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the tensor cores read what the threads wrote
+    flash::fence_view_async_shared();  // the tensor cores read what the threads wrote
     __syncthreads();
-    const uint32_t a = smem_u32(smem) + wg * 64 * kBytes;
-    const uint32_t b = smem_u32(smem) + a_blocks * a_block_bytes;
+    const uint32_t a = flash::smem_addr(smem) + wg * 64 * kBytes;
+    const uint32_t b = flash::smem_addr(smem) + a_blocks * a_block_bytes;
     constexpr uint64_t kLayout = desc_layout(kBytes);
     uint64_t desc_a[kKSteps], desc_b[kKSteps];
 #pragma unroll
@@ -82,13 +78,13 @@ __global__ void __launch_bounds__(384, 1) wgmma_loop(long long* cycles, float* s
     __syncthreads();
     const long long t0 = clock64();
     for (int it = 0; it < iters; ++it) {
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        flash::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKSteps; ++kk) flash::Wgmma<__nv_bfloat16, N>::template ss<kTransB>(acc, desc_a[kk], desc_b[kk], 1);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        flash::wgmma_commit();
+        flash::wgmma_wait<1>();
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    flash::wgmma_wait<0>();
     const long long t1 = clock64();
     float sum = 0.f;
 #pragma unroll
@@ -150,15 +146,16 @@ struct TileMaps {
 template <int kBox0, int kBoxes0, int kBox1, int kBoxes1>
 __global__ void tma_loop(const __grid_constant__ TileMaps maps, long long* cycles, int iters) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = align_1024(smem_raw);
+    unsigned char* smem = flash::align_smem<1024>(smem_raw);
     constexpr int kBytes0 = kRows * kBox0 * 2, kBytes1 = kRows * kBox1 * 2;  // one box of each map
     constexpr int kStageBytes = kBoxes0 * kBytes0 + kBoxes1 * kBytes1;
     static_assert(kStageBytes % 1024 == 0 && kBytes0 % 1024 == 0, "boxes at their swizzle's alignment");
     __shared__ __align__(8) uint64_t full[kStages];
     if (threadIdx.x != 0) return;
-    for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&full[s])));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int s = 0; s < kStages; ++s) flash::mbarrier_init(flash::smem_addr(&full[s]), 1);
+    flash::fence_mbarrier_init();
     const int head = blockIdx.x % kH;
+    // One 3-D copy per box (the kernels' tma_load_tile takes a 4-D map's batch too).
     auto load = [&](const CUtensorMap* map, uint32_t dst, int col, int row, uint32_t bar) {
         asm volatile(
             "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
@@ -166,14 +163,18 @@ __global__ void tma_loop(const __grid_constant__ TileMaps maps, long long* cycle
     };
     auto issue = [&](int it) {
         const int s = it % kStages;
-        const uint32_t bar = smem_u32(&full[s]), dst = smem_u32(smem + s * kStageBytes);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kStageBytes) : "memory");
+        const uint32_t bar = flash::smem_addr(&full[s]), dst = flash::smem_addr(smem + s * kStageBytes);
+        flash::mbarrier_arrive_expect_tx(bar, kStageBytes);
         const int row = (it + 7 * static_cast<int>(blockIdx.x)) * kRows % kT;
         for (int c = 0; c < kBoxes0; ++c) load(&maps.first, dst + c * kBytes0, c * kBox0, row, bar);
-        for (int c = 0; c < kBoxes1; ++c) load(&maps.rest, dst + kBoxes0 * kBytes0 + c * kBytes1, kBoxes0 * kBox0 + c * kBox1, row, bar);
+        for (int c = 0; c < kBoxes1; ++c) {
+            load(&maps.rest, dst + kBoxes0 * kBytes0 + c * kBytes1, kBoxes0 * kBox0 + c * kBox1, row, bar);
+        }
     };
+    // Until stage it % kStages has landed: try_wait polled from C++ (hopper_utils.cuh's mbarrier_wait, a PTX loop,
+    // compiles the kernel to about twice the instructions).
     auto wait = [&](int it) {
-        const uint32_t bar = smem_u32(&full[it % kStages]), phase = (it / kStages) & 1;
+        const uint32_t bar = flash::smem_addr(&full[it % kStages]), phase = (it / kStages) & 1;
         uint32_t done = 0;
         while (!done) {
             asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
@@ -189,41 +190,42 @@ __global__ void tma_loop(const __grid_constant__ TileMaps maps, long long* cycle
     cycles[blockIdx.x] = clock64() - t0;
 }
 
-using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                            const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                            CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
 CUtensorMapSwizzle swizzle_of(int box_cols) {
-    return box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
+    return box_cols == 64   ? CU_TENSOR_MAP_SWIZZLE_128B
+           : box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                            : CU_TENSOR_MAP_SWIZZLE_32B;
 }
 
-CUtensorMap tile_map(Encode encode, void* tensor, int d, int box_cols) {
+// A (d, T, H) map in boxes of box_cols x kRows: hopper_tma.h's make_tile_map, 3-D, with SW32 boxes too.
+CUtensorMap tile_map(void* tensor, int d, int box_cols) {
+    const flash::TensorMapEncodeTiled encode = flash::tensor_map_encoder();
     CUtensorMap map;
     const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(kT), cuuint64_t(kH)};
     const cuuint64_t strides[2] = {cuuint64_t(kH) * d * 2, cuuint64_t(d) * 2};  // (T, H, d): rows H d apart
     const cuuint32_t box[3] = {cuuint32_t(box_cols), kRows, 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
-    if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, tensor, dims, strides, box, element_strides,
+    if (encode == nullptr || encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, tensor, dims, strides, box, element_strides,
                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle_of(box_cols), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-        std::fprintf(stderr, "layout_rates: cuTensorMapEncodeTiled refused d %d, box %d\n", d, box_cols);
+        std::fprintf(stderr, "layout_rates: no tensor map for d %d, box %d (cuTensorMapEncodeTiled)\n", d, box_cols);
         std::exit(1);
     }
     return map;
 }
 
 template <int kBox0, int kBoxes0, int kBox1 = 16, int kBoxes1 = 0>
-void tma_row(Encode encode, void* tensor, int d, int sms, long long* cycles) {
+void tma_row(void* tensor, int d, int sms, long long* cycles) {
     constexpr int kIters = 20000;
-    const TileMaps maps{tile_map(encode, tensor, d, kBox0), tile_map(encode, tensor, d, kBox1)};
+    const CUtensorMap first = tile_map(tensor, d, kBox0);
+    const TileMaps maps{first, kBoxes1 > 0 ? tile_map(tensor, d, kBox1) : first};
     auto kernel = tma_loop<kBox0, kBoxes0, kBox1, kBoxes1>;
     time_launch(kernel, sms, 32, 1, maps, cycles, 200);  // warm-up: the tensor into L2
     const float ms = time_launch(kernel, sms, 32, 5, maps, cycles, kIters);
     const double per_tile = mean_of(cycles, sms) / kIters;
     const double tensor_bytes = double(kRows) * d * 2, written = double(kRows) * (kBox0 * kBoxes0 + kBox1 * kBoxes1) * 2;
     char boxes[48];
-    if (kBoxes1 > 0) std::snprintf(boxes, sizeof boxes, "%d x %d SW%d + %d x %d SW%d", kBoxes0, kBox0, 2 * kBox0, kBoxes1, kBox1, 2 * kBox1);
-    else std::snprintf(boxes, sizeof boxes, "%d x %d SW%d", kBoxes0, kBox0, 2 * kBox0);
+    const int used = std::snprintf(boxes, sizeof boxes, "%d x %d SW%d", kBoxes0, kBox0, 2 * kBox0);
+    if (kBoxes1 > 0) std::snprintf(boxes + used, sizeof boxes - used, " + %d x %d SW%d", kBoxes1, kBox1, 2 * kBox1);
     std::printf("| %d | %s | %.0f | %.1f | %.1f | %.0f |\n", d, boxes, per_tile, tensor_bytes / per_tile,
                 written / per_tile, tensor_bytes * kIters * sms / (ms * 1e-3) / 1e9);
 }
@@ -266,14 +268,6 @@ int main() {
         wgmma_row<64, 96, 4, 1>(warpgroups, sms, cycles, sink);
     }
 
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess) {
-        std::fprintf(stderr, "layout_rates: no cuTensorMapEncodeTiled in this driver\n");
-        return 1;
-    }
-    const Encode encode = reinterpret_cast<Encode>(fn);
     void* tensor;
     const size_t bytes = size_t{kT} * kH * 128 * 2;
     CHECK(cudaMalloc(&tensor, bytes));
@@ -281,18 +275,18 @@ int main() {
     std::printf("\nTMA, 64-row tiles of a (%d, %d, d) bf16 tensor, every SM loading; bytes per SM-cycle\n\n", kT, kH);
     std::printf("| d | boxes | cycles per tile | tensor bytes / SM-cycle | written bytes / SM-cycle | tensor GB/s |\n"
                 "|---|---|---|---|---|---|\n");
-    tma_row<64, 1>(encode, tensor, 64, sms, cycles);
-    tma_row<32, 2>(encode, tensor, 64, sms, cycles);
-    tma_row<16, 4>(encode, tensor, 64, sms, cycles);
-    tma_row<64, 2>(encode, tensor, 80, sms, cycles);       // hd80's 128-wide SW128 tiles
-    tma_row<32, 3>(encode, tensor, 80, sms, cycles);       // 96-wide SW64
-    tma_row<16, 5>(encode, tensor, 80, sms, cycles);       // 80-wide SW32 (FlashAttention-4's)
-    tma_row<64, 1, 16, 1>(encode, tensor, 80, sms, cycles);  // 64 columns in SW128, the last 16 in SW32
-    tma_row<64, 2>(encode, tensor, 96, sms, cycles);
-    tma_row<32, 3>(encode, tensor, 96, sms, cycles);
-    tma_row<16, 6>(encode, tensor, 96, sms, cycles);
-    tma_row<64, 1, 32, 1>(encode, tensor, 96, sms, cycles);  // 64 columns in SW128, the last 32 in SW64
-    tma_row<64, 2>(encode, tensor, 128, sms, cycles);
+    tma_row<64, 1>(tensor, 64, sms, cycles);
+    tma_row<32, 2>(tensor, 64, sms, cycles);
+    tma_row<16, 4>(tensor, 64, sms, cycles);
+    tma_row<64, 2>(tensor, 80, sms, cycles);       // hd80's 128-wide SW128 tiles
+    tma_row<32, 3>(tensor, 80, sms, cycles);       // 96-wide SW64
+    tma_row<16, 5>(tensor, 80, sms, cycles);       // 80-wide SW32 (FlashAttention-4's)
+    tma_row<64, 1, 16, 1>(tensor, 80, sms, cycles);  // 64 columns in SW128, the last 16 in SW32
+    tma_row<64, 2>(tensor, 96, sms, cycles);
+    tma_row<32, 3>(tensor, 96, sms, cycles);
+    tma_row<16, 6>(tensor, 96, sms, cycles);
+    tma_row<64, 1, 32, 1>(tensor, 96, sms, cycles);  // 64 columns in SW128, the last 32 in SW64
+    tma_row<64, 2>(tensor, 128, sms, cycles);
     CHECK(cudaFree(tensor));
     CHECK(cudaFree(cycles));
     CHECK(cudaFree(sink));
