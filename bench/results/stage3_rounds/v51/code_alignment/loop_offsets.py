@@ -20,8 +20,8 @@ for name, listing in sd.listings(path, sys.argv[2] if len(sys.argv) > 2 else "ho
     if key not in reference:
         reference[key], same = body, "ref"
     else:
-        apart = sd.apart(sd.line_diff(reference[key], body))
-        same = "same" if sd.renamed(body) == sd.renamed(reference[key]) else apart
+        old = reference[key]
+        same = "same" if sd.renamed(body) == sd.renamed(old) else sd.apart(sd.line_diff(old, body))
     length = sum(1 for line in body if not line.endswith(":"))
     print(f"start%128={start % sd.LINE_BYTES:3d} start={start:#7x} len={length:4d} total={len(listing.code):5d} "
           f"{same:14s} {name[-40:]}")
