@@ -215,7 +215,7 @@ def tiny_cases():
         dict(b=1, tq=301, tk=301, h=2, h_k=1, d=64, dtype=torch.bfloat16, causal=True),
         dict(b=1, tq=45, tk=70, h=2, h_k=2, d=40, dtype=torch.float16, causal=True),
         dict(b=1, tq=200, tk=331, h=2, h_k=2, d=128, dtype=torch.bfloat16, causal=True),
-        # Head dim 80 on Hopper: the 128-wide tiles, their second 64-column box partly past d.
+        # Head dim 80 on Hopper: 80-wide tiles, 64 columns in SW128 and 16 in SW32 from a second tensor map.
         dict(b=1, tq=257, tk=190, h=2, h_k=1, d=80, dtype=torch.bfloat16, causal=False),
         # More tiles than an H100 has SMs: the persistent Hopper forward's blocks (and the backward's: at hd64, and
         # at hd96 non-causal) run two or three each, causal with Tq > Tk leaving one query block per head without keys

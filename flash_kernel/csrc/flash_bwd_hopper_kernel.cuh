@@ -58,6 +58,7 @@ namespace flash {
 // Tensor maps of the backward's operands (hopper_tma.h): Q and dO in boxes of kBlockM rows, K and V of kBlockN.
 struct BwdTensorMaps : QkvTensorMaps {
     CUtensorMap dO, dk, dv;
+    CUtensorMap do_tail;  // dO's narrower last column block (TileLayout), as QkvTensorMaps' tails
 };
 
 // kVarlenOrLocal: the varlen / sliding-window kernel (kIsCausal false; causal is its window's right bound).
@@ -78,9 +79,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kKStepsM = kBlockM / kMmaK;    // k16 steps of lines 13 and 17 (queries)
     constexpr int kKStepsDq = kBlockN / kMmaK;   // k16 steps of line 16 (keys)
     // Q, dO, K and V in the SwizzleSpan of the traits (SW128: column blocks of 64, SW64: of 32; hopper_utils.cuh);
+    // a tile width that is not whole blocks ends in a narrower block of its own span (TileLayout: hd65-80's 16
+    // columns in SW32), which the products over the head dim take as a k-step (S^T, dP^T) or a wgmma (dV, dK, dQ)
+    // of their own.
     // dS^T always in SW128.
     constexpr int kSpan = Traits::kSpanBytes;
     using Span = SwizzleSpan<kSpan>;
+    using KVLayout = TileLayout<kBlockN, kHeadDim, kSpan>;
+    using QLayout = TileLayout<kBlockM, kHeadDim, kSpan>;
+    using TailSpan = typename KVLayout::TailSpan;
+    constexpr int kTailSpan = TailSpan::kBytes;
+    constexpr bool kTail = KVLayout::kTailCols > 0;
+    constexpr int kFullKSteps = KVLayout::kFullKSteps;  // k16 steps of S^T and dP^T in the whole column blocks
+    constexpr int kDkvFullCols = kDkvDim < KVLayout::kFullCols ? kDkvDim : KVLayout::kFullCols;  // dK's, dV's N there
+    constexpr int kLayoutCols = kTail ? kHeadDim : 0;   // swizzled_chunk_offset's kCols: the narrower block's too
     constexpr uint32_t kKVColBlockBytes = kBlockN * Span::kBytes;      // one column block of K or V
     constexpr uint32_t kQColBlockBytes = kBlockM * Span::kBytes;       // one column block of Q_i or dO_i
     constexpr uint32_t kKStepRowsBytes = kMmaK * Span::kBytes;         // 16 rows of N-major Q_i, dO_i or K
@@ -98,6 +110,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // The persistent kernel's own tiles for dK_j and dV_j (Traits::kSmemDkvBytes, in K's layout), between the tiles
     // and L_i; none in a kernel that runs one block per tile.
     constexpr bool kPersistent = !kVarlenOrLocal && Traits::persistent(kIsCausal);
+    static_assert(!(kPersistent && kTail), "the persistent epilogue's TMA stores take whole column blocks");
     constexpr int kSmemDkvBytes = kPersistent ? Traits::kSmemDkvBytes : 0;
     const uint32_t sDkv = sK + Traits::kSmemTileBytes;
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes + kSmemDkvBytes);  // [kNStages][kBlockM]: L_i
@@ -105,6 +118,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float* sdQ = sDelta + kNStages * kBlockM;  // [kDqStages][kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled
     const uint32_t sdQ_addr = smem_addr(sdQ);
     constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (d_rounded)
+    // The columns of a dQ row that no warpgroup writes (a tile narrower than d_rounded: hd65-80's 80 of 96): zeros,
+    // written once, so that every reduce adds zeros there.
+    constexpr int kDqZeroCols = kDqRow - (kHeadDim < kDqRow ? kHeadDim : kDqRow);
     const uint32_t full_kv = sdQ_addr + Traits::kDqStages * Traits::kSmemDqBytes;  // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
@@ -198,6 +214,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Thread 0 issues the TMA loads, each arming its tile's "full" mbarrier with the tile's bytes.
     const bool loader = tid == 0;
+    if constexpr (kDqZeroCols > 0) {
+        for (int i = tid; i < Traits::kDqStages * kBlockM * kDqZeroCols / 4; i += Traits::kNThreads) {
+            const int row = i / (kDqZeroCols / 4) % kBlockM, stage = i / (kDqZeroCols / 4 * kBlockM);
+            const int col = kDqRow - kDqZeroCols + 4 * (i % (kDqZeroCols / 4));
+            float* chunk = sdQ + stage * (Traits::kSmemDqBytes / 4) + row * kDqRow + 4 * dq_accum_chunk(col / 4, row);
+            *reinterpret_cast<float4*>(chunk) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        fence_view_async_shared();  // read by the TMA unit's reduces
+    }
     if (loader) {
         if constexpr (kPersistent) state = {static_cast<int>(blockIdx.x), 0, 0, 0};
         prefetch_tensor_map(&maps.q);
@@ -220,10 +245,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto load_q_do = [&](const TileView& v, int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         if (loader) {
-            tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ + stage * Traits::kSmemQBytes, &maps.q, v.sq.q_row0 + row0, v.bidh,
-                                                    v.batch_coord, full_qdo(stage));
-            tma_load_rows<kBlockM, kHeadDim, kSpan>(sdO + stage * Traits::kSmemQBytes, &maps.dO, v.sq.q_row0 + row0,
-                                                    v.bidh, v.batch_coord, full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ + stage * Traits::kSmemQBytes, &maps.q, &maps.q_tail,
+                                                    v.sq.q_row0 + row0, v.bidh, v.batch_coord, full_qdo(stage));
+            tma_load_rows<kBlockM, kHeadDim, kSpan>(sdO + stage * Traits::kSmemQBytes, &maps.dO, &maps.do_tail,
+                                                    v.sq.q_row0 + row0, v.bidh, v.batch_coord, full_qdo(stage));
         }
         load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, v.lse, v.delta, row0, v.sq.seqlen_q, tid);
         cp_async_commit();
@@ -237,8 +262,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 prefetch_tensor_map(&maps.k);
                 prefetch_tensor_map(&maps.v);
             }
-            tma_load_rows<kBlockN, kHeadDim, kSpan>(sK, &maps.k, v.sq.k_row0 + v.key0, v.bidh_k, v.batch_coord, full_kv);
-            tma_load_rows<kBlockN, kHeadDim, kSpan>(sV, &maps.v, v.sq.k_row0 + v.key0, v.bidh_k, v.batch_coord, full_kv);
+            tma_load_rows<kBlockN, kHeadDim, kSpan>(sK, &maps.k, &maps.k_tail, v.sq.k_row0 + v.key0, v.bidh_k,
+                                                    v.batch_coord, full_kv);
+            tma_load_rows<kBlockN, kHeadDim, kSpan>(sV, &maps.v, &maps.v_tail, v.sq.k_row0 + v.key0, v.bidh_k,
+                                                    v.batch_coord, full_kv);
         }
         load_q_do(v, v.m_min, q % kNStages);
         if (v.m_min + 1 < v.m_max) load_q_do(v, v.m_min + 1, (q + 1) % kNStages);
@@ -263,17 +290,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t wg_rows_bytes = wg * kWarpgroupRows * Span::kBytes;
     const uint64_t desc_k = make_smem_desc<kSpan>(sK + wg_rows_bytes, 16, Span::kAtomBytes);
     const uint64_t desc_v = make_smem_desc<kSpan>(sV + wg_rows_bytes, 16, Span::kAtomBytes);
+    // The narrower last column block's (kTail): K-major for lines 11 and 14, and K N-major for dQ's last warpgroup.
+    const uint32_t wg_tail_bytes = wg * kWarpgroupRows * kTailSpan;
+    const uint64_t desc_k_tail =
+        make_smem_desc<kTailSpan>(sK + KVLayout::kTailOffset + wg_tail_bytes, 16, TailSpan::kAtomBytes);
+    const uint64_t desc_v_tail =
+        make_smem_desc<kTailSpan>(sV + KVLayout::kTailOffset + wg_tail_bytes, 16, TailSpan::kAtomBytes);
+    // The descriptor of the narrower last block of the Q_i or dO_i tile at `tile`, K-major or (n_major) N-major.
+    auto rows_tail_desc = [](uint32_t tile, auto n_major) {
+        constexpr uint32_t kLbo = decltype(n_major)::value ? kBlockM * kTailSpan : 16;
+        return make_smem_desc<kTailSpan>(tile + QLayout::kTailOffset, kLbo, TailSpan::kAtomBytes);
+    };
 
     // Lines 11 and 14 are the same product over the head dim, (64 keys of K or V) x (kBlockM rows of Q_i or dO_i)^T,
-    // both operands K-major: one wgmma group into acc.
-    auto issue_over_d = [&](float (&acc)[kBlockM / 2], uint64_t desc_kv, uint64_t desc_rows) {
+    // both operands K-major: one wgmma group into acc. The k-steps past the whole column blocks read the narrower last
+    // one (the *_tail descriptors).
+    auto issue_over_d = [&](float (&acc)[kBlockM / 2], uint64_t desc_kv, uint64_t desc_kv_tail, uint64_t desc_rows,
+                            uint64_t desc_rows_tail) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
             constexpr int kSteps = Span::kKStepsPerBlock;  // k16 steps per column block
-            Wgmma<Element, kBlockM>::template ss<0>(
-                acc, desc_advance(desc_kv, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32),
-                desc_advance(desc_rows, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32), kk > 0);
+            if (kk < kFullKSteps) {
+                Wgmma<Element, kBlockM>::template ss<0>(
+                    acc, desc_advance(desc_kv, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32),
+                    desc_advance(desc_rows, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32), kk > 0);
+            } else {
+                Wgmma<Element, kBlockM>::template ss<0>(acc, desc_advance(desc_kv_tail, (kk - kFullKSteps) * 32),
+                                                        desc_advance(desc_rows_tail, (kk - kFullKSteps) * 32), kk > 0);
+            }
         }
         wgmma_commit();
     };
@@ -286,7 +331,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Line 11, S^T = K Q_i^T into s, once Q_i of the q-th query block (in `stage`) has landed.
     auto issue_s = [&](float (&s)[kBlockM / 2], QIndex q, int stage) {
         mbarrier_wait(full_qdo(stage), (q / kNStages) & 1);
-        issue_over_d(s, desc_k, make_smem_desc<kSpan>(sQ + stage * Traits::kSmemQBytes, 16, Span::kAtomBytes));
+        const uint32_t sQ_st = sQ + stage * Traits::kSmemQBytes;
+        issue_over_d(s, desc_k, desc_k_tail, make_smem_desc<kSpan>(sQ_st, 16, Span::kAtomBytes),
+                     rows_tail_desc(sQ_st, std::false_type{}));
     };
 
     BlockTrace<FLASH_BWD_TRACE != 0> trace;  // FLASH_BWD_TRACE: thread 0 stamps each tile's phases (block_trace.h)
@@ -355,7 +402,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // Line 14: dP^T = V dO_i^T, one group behind S^T (dO_i landed with Q_i: one mbarrier for both).
             if constexpr (!Traits::kIssueNextSEarly) issue_s(s, q, stage);
             float dp[kBlockM / 2];
-            issue_over_d(dp, desc_v, make_smem_desc<kSpan>(sdO_st, 16, Span::kAtomBytes));
+            issue_over_d(dp, desc_v, desc_v_tail, make_smem_desc<kSpan>(sdO_st, 16, Span::kAtomBytes),
+                         rows_tail_desc(sdO_st, std::false_type{}));
 
             // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1.
             if (m_block > m_block_min) reduce_dq(m_block - 1);
@@ -439,17 +487,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // kDqBeforeDk: dV here, dK behind dQ_i (hopper_bwd_traits.h).
             const uint64_t desc_do_n = make_smem_desc<kSpan>(sdO_st, kQColBlockBytes, Span::kAtomBytes);
             const uint64_t desc_q_n = make_smem_desc<kSpan>(sQ_st, kQColBlockBytes, Span::kAtomBytes);
+            // k-step kk of acc (dK or dV) += frag (dS^T or P^T) x the rows' tile (Q_i or dO_i, N-major): one wgmma over
+            // its whole column blocks, and (kDkvDim past them) one over its narrower last block.
+            auto dkv_step = [&](float (&acc)[kDkvDim / 2], const uint32_t (&frag)[4], uint32_t tile, uint64_t desc_n,
+                                int kk) {
+                if constexpr (kDkvDim > kDkvFullCols) {
+                    Wgmma<Element, kDkvFullCols>::template rs<1>(*reinterpret_cast<float(*)[kDkvFullCols / 2]>(acc),
+                                                                 frag, desc_advance(desc_n, kk * kKStepRowsBytes), 1);
+                    Wgmma<Element, kDkvDim - kDkvFullCols>::template rs<1>(
+                        *reinterpret_cast<float(*)[(kDkvDim - kDkvFullCols) / 2]>(acc + kDkvFullCols / 2), frag,
+                        desc_advance(rows_tail_desc(tile, std::true_type{}), kk * kMmaK * kTailSpan), 1);
+                } else {
+                    Wgmma<Element, kDkvDim>::template rs<1>(acc, frag, desc_advance(desc_n, kk * kKStepRowsBytes), 1);
+                }
+            };
             auto issue_dk = [&]() {
 #pragma unroll
-                for (int kk = 0; kk < kKStepsM; ++kk) {
-                    Wgmma<Element, kDkvDim>::template rs<1>(acc_dk, ds_frag[kk], desc_advance(desc_q_n, kk * kKStepRowsBytes), 1);
-                }
+                for (int kk = 0; kk < kKStepsM; ++kk) dkv_step(acc_dk, ds_frag[kk], sQ_st, desc_q_n, kk);
             };
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kKStepsM; ++kk) {
-                Wgmma<Element, kDkvDim>::template rs<1>(acc_dv, p_frag[kk], desc_advance(desc_do_n, kk * kKStepRowsBytes), 1);
-            }
+            for (int kk = 0; kk < kKStepsM; ++kk) dkv_step(acc_dv, p_frag[kk], sdO_st, desc_do_n, kk);
             if constexpr (!Traits::kDqBeforeDk) issue_dk();
             wgmma_commit();
 
@@ -466,13 +524,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             // This warpgroup's dQ_i into dq, kCols columns: issued, completed (kDqBeforeDk: with dK behind it) and
             // stored. The last warpgroup's are Traits::kDqColsLast, fewer where FLASH_BWD_NARROW_DQ leaves out K's zero
             // columns; each width has an array of its own (one array for both makes ptxas serialize the wgmmas).
-            auto dq_tile = [&](auto& dq) {
+            // desc_b: K's columns from dq_col0 (N-major), whose 16 keys are k_step_bytes apart.
+            auto dq_tile = [&](auto& dq, uint64_t desc_b, uint32_t k_step_bytes) {
                 constexpr int kCols = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(dq)>>);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kKStepsDq; ++kk) {
                     Wgmma<Element, kCols>::template ss<1, 1>(dq, desc_advance(desc_ds, kk * kDsKStepBytes),
-                                                             desc_advance(desc_kt, kk * kKStepRowsBytes), kk > 0);
+                                                             desc_advance(desc_b, kk * k_step_bytes), kk > 0);
                 }
                 wgmma_commit();
                 if constexpr (Traits::kDqBeforeDk) {
@@ -511,10 +570,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             };
             if (Traits::kDqColsLast == Traits::kDqCols || wg < Traits::kNWarpgroups - 1) {
                 float dq[Traits::kDqCols / 2];
-                dq_tile(dq);
+                dq_tile(dq, desc_kt, kKStepRowsBytes);
+            } else if constexpr (kTail) {
+                // The last warpgroup's columns are K's narrower last block (Traits::kDqColsLast of them).
+                float dq[Traits::kDqColsLast / 2];
+                const uint64_t desc_kt_tail =
+                    make_smem_desc<kTailSpan>(sK + KVLayout::kTailOffset, kBlockN * kTailSpan, TailSpan::kAtomBytes);
+                dq_tile(dq, desc_kt_tail, kMmaK * kTailSpan);
             } else {
                 float dq[Traits::kDqColsLast / 2];
-                dq_tile(dq);
+                dq_tile(dq, desc_kt, kKStepRowsBytes);
             }
             fence_view_async_shared();
             if constexpr (Traits::kDqBeforeDk) {
@@ -555,7 +620,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                 const int within = 2 * tq * static_cast<int>(sizeof(Element));
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const uint32_t off = swizzled_chunk_offset<kBlockN, kSpan>(row + 8 * r, i) + within;
+                    const uint32_t off = swizzled_chunk_offset<kBlockN, kSpan, kLayoutCols>(row + 8 * r, i) + within;
                     *reinterpret_cast<uint32_t*>(dst + off) = pack2<Element>(acc_dk[4 * i + 2 * r] * params.scale_softmax,
                                                                              acc_dk[4 * i + 2 * r + 1] * params.scale_softmax);
                     *reinterpret_cast<uint32_t*>(dst + Traits::kSmemKVBytes + off) =
@@ -576,7 +641,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                           (sq.k_row0 + key0) * params.dk_row_stride;
             Element* dv = static_cast<Element*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh * params.dv_head_stride +
                           (sq.k_row0 + key0) * params.dv_row_stride;
-            using OutTile = SwizzledSpanTile<kBlockN, kSpan>;  // the K and V tiles' layout, now holding dK_j and dV_j
+            using OutTile = SwizzledSpanTile<kBlockN, kSpan, kLayoutCols>;  // the K and V tiles' layout: dK_j, dV_j
             const Element* sdk = reinterpret_cast<const Element*>(smem);
             const Element* sdv = sdk + Traits::kSmemKVBytes / Traits::kElemBytes;
             store_tile<kBlockN, kHeadDim, OutTile, Traits::kNThreads>(dk, sdk, params.dk_row_stride, v.valid_keys, d);

@@ -73,9 +73,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kNTilesD = kVDim / kMmaN;      // n8 column tiles of O per warp
     constexpr int kKStepsD = Traits::kQKDim / kMmaK;  // k16 steps of Q K^T (to d_rounded, not the tile width)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
-    // Q, K and V in the SwizzleSpan of the traits (SW128: column blocks of 64, SW64: of 32; hopper_utils.cuh).
+    // Q, K and V in the SwizzleSpan of the traits (SW128: column blocks of 64, SW64: of 32; hopper_utils.cuh); a
+    // tile width that is not whole blocks ends in a narrower block of its own span (TileLayout: hd65-80's 16 columns
+    // in SW32).
     constexpr int kSpan = Traits::kSpanBytes;
     using Span = SwizzleSpan<kSpan>;
+    using KVLayout = TileLayout<kBlockN, kHeadDim, kSpan>;
+    using QLayout = TileLayout<kBlockM, kHeadDim, kSpan>;
+    using TailSpan = typename KVLayout::TailSpan;
+    constexpr int kTailSpan = TailSpan::kBytes;
+    constexpr int kFullKSteps = KVLayout::kFullKSteps;  // k16 steps of Q K^T in the whole column blocks
+    constexpr int kVFullCols = kVDim < KVLayout::kFullCols ? kVDim : KVLayout::kFullCols;  // P V's N in them
     constexpr uint32_t kQColBlockBytes = kBlockM * Span::kBytes;   // one column block of Q
     constexpr uint32_t kKVColBlockBytes = kBlockN * Span::kBytes;  // one column block of K or V
     constexpr uint32_t kKStepBytesN = kMmaK * Span::kBytes;        // 16 keys of V
@@ -139,18 +147,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // (Producer.) K or V tile n_block of (head_k, batch), running index kv, once every consumer released the tile its
     // stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers. key0: the
     // sequence's first row (varlen), else 0.
-    auto load = [&](const CUtensorMap* map, uint32_t stage_tiles, uint32_t full, uint32_t empty, int kv, int n_block,
-                    int head_k, int batch, int key0) {
+    auto load = [&](const CUtensorMap* map, const CUtensorMap* tail_map, uint32_t stage_tiles, uint32_t full,
+                    uint32_t empty, int kv, int n_block, int head_k, int batch, int key0) {
         const int stage = kv % kNStages;
         if (kv >= kNStages) mbarrier_wait(empty + 8 * stage, (kv / kNStages - 1) & 1);
-        tma_load_rows<kBlockN, kHeadDim, kSpan>(stage_tiles + stage * Traits::kSmemKVTileBytes, map,
+        tma_load_rows<kBlockN, kHeadDim, kSpan>(stage_tiles + stage * Traits::kSmemKVTileBytes, map, tail_map,
                                                 key0 + n_block * kBlockN, head_k, batch, full + 8 * stage);
     };
     auto load_k = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
-        load(&maps.k, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch, key0);
+        load(&maps.k, &maps.k_tail, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch, key0);
     };
     auto load_v = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
-        load(&maps.v, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch, key0);
+        load(&maps.v, &maps.v_tail, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch, key0);
     };
     // The key blocks of the tile whose first row is row0: all of them, or causal up to the diagonal of its last row
     // (>= 1: fwd_tiles).
@@ -191,7 +199,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 const int n_blocks = lt.n_max - lt.n_min;
                 load_k(kv, lt.n_min, head_k, batch, lt.k0);
                 if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
-                tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ, &maps.q, lt.q0 + lt.row0, lt.head, batch, full_q);
+                tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ, &maps.q, &maps.q_tail, lt.q0 + lt.row0, lt.head, batch,
+                                                        full_q);
                 for (int j = 0; j < n_blocks; ++j) {
                     if (j > 0) load_k(kv + j, lt.n_min + j, head_k, batch, lt.k0);
                     load_v(kv + j, lt.n_min + j, head_k, batch, lt.k0);
@@ -210,7 +219,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             const int n_block_max = key_blocks(row0), head_k = tiles.q_per_kv_head.div(c.head);
             load_k(kv, 0, head_k, c.batch);
             if (tile_iter > 0) mbarrier_wait(empty_q, (tile_iter - 1) & 1);
-            tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ, &maps.q, row0, c.head, c.batch, full_q);
+            tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ, &maps.q, &maps.q_tail, row0, c.head, c.batch, full_q);
             for (int j = 0; j < n_block_max; ++j) {
                 if (j > 0) load_k(kv + j, j, head_k, c.batch);
                 load_v(kv + j, j, head_k, c.batch);
@@ -257,29 +266,54 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr uint32_t kPColBlockBytes = kWarpgroupRows * kSwizzleRowBytes;
 
     // K-major descriptors of this warpgroup's 64 Q rows; K and V descriptors are per stage.
-    // k-step kk of Q K^T starts in column block kk / kSteps, 32 bytes per k-step into its rows.
+    // k-step kk of Q K^T starts in column block kk / kSteps, 32 bytes per k-step into its rows; past the whole
+    // blocks, in the narrower last one (its own descriptors: another swizzle).
     constexpr int kSteps = Span::kKStepsPerBlock;
     const uint64_t desc_q = make_smem_desc<kSpan>(sQ + wg * kWarpgroupRows * Span::kBytes, 16, Span::kAtomBytes);
+    const uint64_t desc_q_tail =
+        make_smem_desc<kTailSpan>(sQ + QLayout::kTailOffset + wg * kWarpgroupRows * kTailSpan, 16, TailSpan::kAtomBytes);
     auto issue_s = [&](int stage) {  // S = Q K_stage^T, kKStepsD wgmmas, K-major A and B
-        const uint64_t desc_k = make_smem_desc<kSpan>(sK + stage * Traits::kSmemKVTileBytes, 16, Span::kAtomBytes);
+        const uint32_t sK_st = sK + stage * Traits::kSmemKVTileBytes;
+        const uint64_t desc_k = make_smem_desc<kSpan>(sK_st, 16, Span::kAtomBytes);
+        const uint64_t desc_k_tail = make_smem_desc<kTailSpan>(sK_st + KVLayout::kTailOffset, 16, TailSpan::kAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
-            Wgmma<Element, kBlockN>::template ss<0>(
-                s, desc_advance(desc_q, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32),
-                desc_advance(desc_k, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32), kk > 0);
+            if (kk < kFullKSteps) {
+                Wgmma<Element, kBlockN>::template ss<0>(
+                    s, desc_advance(desc_q, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32),
+                    desc_advance(desc_k, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32), kk > 0);
+            } else {
+                Wgmma<Element, kBlockN>::template ss<0>(s, desc_advance(desc_q_tail, (kk - kFullKSteps) * 32),
+                                                        desc_advance(desc_k_tail, (kk - kFullKSteps) * 32), kk > 0);
+            }
         }
     };
     auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers (or sP_wg), V N-major
-        const uint64_t desc_v =
-            make_smem_desc<kSpan>(sV + stage * Traits::kSmemKVTileBytes, kKVColBlockBytes, Span::kAtomBytes);
+        const uint32_t sV_st = sV + stage * Traits::kSmemKVTileBytes;
+        const uint64_t desc_v = make_smem_desc<kSpan>(sV_st, kKVColBlockBytes, Span::kAtomBytes);
+        const uint64_t desc_v_tail = make_smem_desc<kTailSpan>(sV_st + KVLayout::kTailOffset, kBlockN * kTailSpan,
+                                                               TailSpan::kAtomBytes);
         const uint64_t desc_p = make_smem_desc_sw128(sP_wg, 16, kSwizzleAtomBytes);
-#pragma unroll
-        for (int kk = 0; kk < kKStepsN; ++kk) {
+        // k-step kk into the accumulators of O's columns that `acc` holds (N = its width), V's from desc_b.
+        auto pv_step = [&](auto& acc, int kk, uint64_t desc_b) {
+            constexpr int kN = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>>);
             if constexpr (kPSmem) {
                 const uint64_t desc_p_kk = desc_advance(desc_p, (kk / 4) * kPColBlockBytes + (kk % 4) * 32);
-                Wgmma<Element, kVDim>::template ss<1>(acc_o, desc_p_kk, desc_advance(desc_v, kk * kKStepBytesN), 1);
+                Wgmma<Element, kN>::template ss<1>(acc, desc_p_kk, desc_b, 1);
             } else {
-                Wgmma<Element, kVDim>::template rs<1>(acc_o, p[kk], desc_advance(desc_v, kk * kKStepBytesN), 1);
+                Wgmma<Element, kN>::template rs<1>(acc, p[kk], desc_b, 1);
+            }
+        };
+#pragma unroll
+        for (int kk = 0; kk < kKStepsN; ++kk) {
+            if constexpr (kVDim > kVFullCols) {
+                // O's columns in V's whole column blocks, then those in its narrower last block: two wgmmas.
+                pv_step(*reinterpret_cast<float(*)[kVFullCols / 2]>(acc_o), kk,
+                        desc_advance(desc_v, kk * kKStepBytesN));
+                pv_step(*reinterpret_cast<float(*)[(kVDim - kVFullCols) / 2]>(acc_o + kVFullCols / 2), kk,
+                        desc_advance(desc_v_tail, kk * kMmaK * kTailSpan));
+            } else {
+                pv_step(acc_o, kk, desc_advance(desc_v, kk * kKStepBytesN));
             }
         }
     };

@@ -52,10 +52,11 @@
 
 namespace flash {
 
-// kHeadDim is the tile width; kQKDim <= kHeadDim the instantiated head dim (d_rounded), the floats of a dQ row;
-// kSumDim <= kQKDim the columns that S^T = K Q_i^T and dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96
-// run the 128-wide tiles with zero columns; FLASH_NARROW_HD80's twins skip 16 more of them). kSpanBytes: Q, dO, K
-// and V in SW128 (128, column blocks of 64) or SW64 (64, column blocks of 32; hopper_utils.cuh).
+// kHeadDim is the tile width; kQKDim the instantiated head dim (d_rounded), the floats of a dQ row (at most the tile
+// width, but for FLASH_HD80_TAIL's 80-wide tiles under d_rounded 96); kSumDim <= kQKDim the columns that
+// S^T = K Q_i^T and dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96 run the 128-wide tiles with zero
+// columns; FLASH_NARROW_HD80's twins skip 16 more of them). kSpanBytes: Q, dO, K and V in SW128 (128, column blocks
+// of 64) or SW64 (64, column blocks of 32; hopper_utils.cuh); SW128 tiles may end in a narrower block (TileLayout).
 template <int kHeadDim_, typename Element_, int kQKDim_ = kHeadDim_, int kBlockM_ = 64, int kDkvDim_ = kHeadDim_,
           int kSumDim_ = kQKDim_, int kSpanBytes_ = kSwizzleRowBytes>
 struct HopperBwdTraits {
@@ -85,10 +86,12 @@ struct HopperBwdTraits {
     // Split by columns: whole 64-column blocks per warpgroup (the 96-wide SW64 tiles: 64, then 32).
     static constexpr int kDqCols =
         kDqSplitQueries ? kHeadDim : ceil_div(kHeadDim / kNWarpgroups, kSwizzleBlockElems) * kSwizzleBlockElems;
-    // The last warpgroup's dQ columns, its wgmma's N: up to kQKDim (FLASH_BWD_NARROW_DQ), else up to the tile's width
-    // (where the 96-wide SW64 tiles end too).
+    // The last warpgroup's dQ columns, its wgmma's N: up to kQKDim (FLASH_BWD_NARROW_DQ) where the tile is wider,
+    // else up to the tile's width (where the 96-wide SW64 tiles and the 80-wide ones end).
     static constexpr int kDqColsLast =
-        kDqSplitQueries ? kDqCols : (FLASH_BWD_NARROW_DQ != 0 ? kQKDim : kHeadDim) - (kNWarpgroups - 1) * kDqCols;
+        kDqSplitQueries ? kDqCols
+                        : (FLASH_BWD_NARROW_DQ != 0 && kQKDim < kHeadDim ? kQKDim : kHeadDim) -
+                              (kNWarpgroups - 1) * kDqCols;
 
     static constexpr int kElemBytes = static_cast<int>(sizeof(Element));
     static constexpr int kSmemKVBytes = kBlockN * kHeadDim * kElemBytes;     // K or V, swizzled
@@ -111,7 +114,9 @@ struct HopperBwdTraits {
     static constexpr int kSmemOneBlockBytes =
         kSmemTileBytes + kSmemRowStatBytes + kDqStages * kSmemDqBytes + kSmemBarBytes + kSwizzleAtomBytes;
     static constexpr bool kDkvOwnBuffer = !kDkvInSdq && kSmemOneBlockBytes + 2 * kSmemKVBytes <= kMaxSmemBytesSm90;
-    static constexpr bool kPersistent = FLASH_BWD_PERSISTENT != 0 && (kDkvInSdq || kDkvOwnBuffer);
+    // Not on tiles with a narrower last column block (TileLayout): tma_store_rows stores whole blocks.
+    static constexpr bool kPersistent = FLASH_BWD_PERSISTENT != 0 && (kDkvInSdq || kDkvOwnBuffer) &&
+                                        TileLayout<kBlockN, kHeadDim, kSpanBytes>::kTailCols == 0;
     static constexpr int kSmemDkvBytes = kPersistent && kDkvOwnBuffer ? 2 * kSmemKVBytes : 0;  // after the tiles
     // + one swizzle atom of slack: the kernel rounds the dynamic shared-memory base up to 1024 bytes.
     static constexpr int kSmemBytes = kSmemOneBlockBytes + kSmemDkvBytes;
@@ -124,8 +129,10 @@ struct HopperBwdTraits {
     }
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: the swizzled layout has 64 elements per 128-byte row");
-    static_assert(kHeadDim % kBlockElems == 0, "the tile width must be whole column blocks (of 64, or 32 for SW64)");
-    static_assert(kQKDim <= kHeadDim && kSumDim % 16 == 0 && kSumDim <= kQKDim && kSumDim > kHeadDim - kBlockElems,
+    static_assert(TileLayout<kBlockN, kHeadDim, kSpanBytes>::kTailCols == 0 || kSpanBytes == kSwizzleRowBytes,
+                  "the tile width: whole column blocks (of 64, or 32 for SW64), or SW128 blocks and a last one "
+                  "of 16 or 32 columns (TileLayout)");
+    static_assert(kSumDim % 16 == 0 && kSumDim <= kQKDim && kSumDim <= kHeadDim && kSumDim > kHeadDim - kBlockElems,
                   "S^T's and dP^T's head dim: whole k16 steps in the tile's last column block");
     static_assert(kBlockM == kWarpgroupRows || kDqSplitQueries, "64 queries per iteration, or 64 per warpgroup");
     static_assert(kDqCols % kSwizzleBlockElems == 0, "a warpgroup's dQ columns are whole 64-column blocks of K");
@@ -156,12 +163,13 @@ template <typename E> struct HopperBwdConfig<96, E> {
     using Traits = HopperBwdTraits<kWidth, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : kWidth, 96,
                                    FLASH_BWD_HD96_SW64 != 0 ? 64 : kSwizzleRowBytes>;
     // FLASH_NARROW_HD80 (hopper_kernel_traits.h): head dims up to 80 on 5 k16 steps and 80 columns of dK and dV, on
-    // the 128-wide tiles; dQ's rows stay 96 floats, the rows the convert kernel of this head dim reads. At d = 80 the
+    // 80-wide tiles (FLASH_HD80_TAIL: 64 columns in SW128, 16 in SW32), else the 128-wide ones; dQ's rows stay 96
+    // floats, the rows the convert kernel of this head dim reads (the columns past 80 stay zeros). At d = 80 the
     // third SW64 box is half past d and costs TMA a whole box: a 64-row tile lands in 509 cycles against 443 in two
     // SW128 boxes (bench/layout_rates.cu, every SM loading), and in SW64 the non-causal backward ran 0.93-0.97 x
     // (docs/results.md, sections 40 and 47).
     static constexpr int kNarrowDim = kNarrowHd80Dim;
-    using NarrowTraits = HopperBwdTraits<128, E, 96, 64, 80, 80>;
+    using NarrowTraits = HopperBwdTraits<kHd80Tail ? 80 : 128, E, 96, 64, 80, 80>;
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;

@@ -113,7 +113,10 @@ struct HopperFwdTraits {
     static constexpr int kExpTilesBeforeWait =
         kHeadDim <= 64 ? kBlockN / kMmaN : kBlockN / kMmaN * kFwdExpSplitPct / 100 / 2 * 2;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
-    static constexpr int kSmemKVTileBytes = kBlockN * kHeadDim * static_cast<int>(sizeof(Element));
+    // A K or V stage: the tile's bytes rounded up to whole swizzle atoms (a 144-key tile 80 columns wide is 22.5 KiB),
+    // so that every stage starts 1024-aligned.
+    static constexpr int kSmemKVTileBytes =
+        ceil_div(kBlockN * kHeadDim * static_cast<int>(sizeof(Element)), kSwizzleAtomBytes) * kSwizzleAtomBytes;
     // A P tile is whole 64-key column blocks (144 keys: three, the last a quarter used).
     static constexpr int kPTileCols = (kBlockN + kSwizzleBlockElems - 1) / kSwizzleBlockElems * kSwizzleBlockElems;
     static constexpr int kSmemPTileBytes = kPSmem ? kWarpgroupRows * kPTileCols * static_cast<int>(sizeof(Element)) : 0;
@@ -127,7 +130,9 @@ struct HopperFwdTraits {
     static constexpr int kSmemBytes = kSmemTileBytes + kNMbarriers * 8 + 4 * kNTileSlots + kSwizzleAtomBytes;
 
     static_assert(sizeof(Element) == 2, "16-bit inputs: 64 elements per 128-byte row (32 per 64-byte row in SW64)");
-    static_assert(kHeadDim % kBlockElems == 0, "the tile width must be whole column blocks (of 64, or 32 for SW64)");
+    static_assert(TileLayout<kBlockM, kHeadDim, kSpanBytes>::kTailCols == 0 || kSpanBytes == kSwizzleRowBytes,
+                  "the tile width: whole column blocks (of 64, or 32 for SW64), or SW128 blocks and a last one "
+                  "of 16 or 32 columns (TileLayout)");
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
@@ -172,6 +177,13 @@ struct HopperFwdTraits {
 // without it ran slower than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring
 // of three hides.
 // FLASH_NARROW_HD80's twins keep the two-warpgroup tiles: on this one they were no faster.
+// FLASH_HD80_TAIL (on; the forward's and the backward's hd80 twins, FLASH_NARROW_HD80): Q, K and V (and dO) tiles 80
+// columns wide, 64 in SW128 and the last 16 in SW32 (TileLayout, hopper_utils.cuh), instead of 96 in SW64 (forward)
+// or 128 in SW128 (backward): TMA lands a 64-row tile in 342 cycles against 509 and 443 with every SM loading
+// (bench/layout_rates.cu), its last box no longer half or three quarters past d. Q K^T (S^T, dP^T) takes its fifth
+// k16 step from the SW32 block, O += P V (dV, dK) and the backward's second dQ warpgroup an n16 wgmma over it. The
+// forward's causal tile from kLongKeys (FLASH_FWD_HD80_CAUSAL_3WG) keeps its SW64 tiles: its P comes from shared
+// memory, which the n16 wgmma reads again, and on 80-wide tiles it ran 0.97-0.99 x (docs/results.md, section 48).
 // FLASH_FWD_HD96_SW64 (on): the hd96 configs' Q, K and V tiles 96 columns wide in the SW64 layout instead of 128
 // in SW128: TMA writes a quarter fewer bytes per stage (the quarter it drops holds only zeros), and the tiles take
 // 3/4 of the shared memory (169 KB for the two-warpgroup tiles, 225 KB in SW128). The forward at head dims 81-96 runs
@@ -205,6 +217,9 @@ struct HopperFwdTraits {
 #ifndef FLASH_FWD_HD80_CAUSAL_3WG
 #define FLASH_FWD_HD80_CAUSAL_3WG 1
 #endif
+#ifndef FLASH_HD80_TAIL
+#define FLASH_HD80_TAIL 1
+#endif
 // FLASH_FWD_TURN_KEYS (24): which of a config's two tiles its dense non-causal calls run over T keys (causal, varlen
 // and windowed calls: the wider key blocks from kLongKeys, 2048). A turn costs its block's keys plus a fixed part,
 // about 24 keys' worth (barriers, the rows' max and sum, O's rescale), and a partial last block costs as much as a
@@ -229,6 +244,11 @@ constexpr int kFwdHd96Width = (96 + kFwdHd96Block - 1) / kFwdHd96Block * kFwdHd9
 // FLASH_FWD_HD96_P_SMEM's tile for hd96's config with Q K^T over kQK columns: head dims 81-96 (kQK = 96) only.
 constexpr bool fwd_hd96_p_smem(int qk_dim) { return kFwdHd96PSmem && qk_dim == 96; }
 constexpr int kNarrowHd80Dim = FLASH_NARROW_HD80 != 0 ? 80 : 0;  // the hd96 configs' kNarrowDim
+// FLASH_HD80_TAIL: the width and SwizzleSpan of the hd96 configs' two-warpgroup tiles with Q K^T over qk_dim columns:
+// 80 in SW128 (64 columns, then 16 in SW32) at qk_dim 80, else FLASH_FWD_HD96_SW64's.
+constexpr bool kHd80Tail = FLASH_HD80_TAIL != 0;
+constexpr int fwd_hd96_width(int qk_dim) { return kHd80Tail && qk_dim == 80 ? 80 : kFwdHd96Width; }
+constexpr int fwd_hd96_span(int qk_dim) { return kHd80Tail && qk_dim == 80 ? kSwizzleRowBytes : kFwdHd96Span; }
 
 // A Hopper config's kNarrowDim (> 0: head dims up to it run its NarrowTraits, and in the forward its
 // NarrowShortTraits), or 0 where it names none.
@@ -282,10 +302,13 @@ template <typename E> struct HopperFwdConfig<96, E> {
     // rows x 128 keys, P in registers and no overlap, ran 4-18% slower than these.
     // FLASH_FWD_HD96_SW64: every tile 96 columns wide (SW64), else 128 (SW128).
     static constexpr int kW = kFwdHd96Width, kSpan = kFwdHd96Span;
+    // FLASH_HD80_TAIL: those with Q K^T over 80 columns are 80 wide, 64 columns in SW128 and 16 in SW32.
     template <int kQK, int kV>
-    using Tile128 = HopperFwdTraits<kW, 128, 3, E, kQK, 2, kFwdIntraWgOverlapBc128, kV, false, kSpan>;
+    using Tile128 = HopperFwdTraits<fwd_hd96_width(kQK), 128, 3, E, kQK, 2, kFwdIntraWgOverlapBc128, kV, false,
+                                    fwd_hd96_span(kQK)>;
     template <int kQK, int kV>
-    using Tile192 = HopperFwdTraits<kW, 192, 2, E, kQK, 2, kFwdIntraWgOverlap, kV, false, kSpan>;
+    using Tile192 = HopperFwdTraits<fwd_hd96_width(kQK), 192, 2, E, kQK, 2, kFwdIntraWgOverlap, kV, false,
+                                    fwd_hd96_span(kQK)>;
     // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length, for Q K^T over
     // 96 columns (head dims 81-96) only.
     template <int kQK, int kV>
@@ -304,7 +327,8 @@ template <typename E> struct HopperFwdConfig<96, E> {
     using NarrowTraits = Long<80, 80>;
     // FLASH_FWD_HD80_CAUSAL_3WG: causal calls at head dims 65-80 from kLongKeys keys up on FA4's tile there, 192 query
     // rows x 144 keys on three consumer warpgroups, P through shared memory, 216 KiB: in SW64's 96-column tiles only
-    // (SW128's take 270). Below kLongKeys it runs 4% slower than NarrowShortTraits at 1024 keys.
+    // (SW128's take 270), FLASH_HD80_TAIL or not (its O += P V in two wgmmas would read P twice from shared memory).
+    // Below kLongKeys it runs 4% slower than NarrowShortTraits at 1024 keys.
 #if FLASH_FWD_HD80_CAUSAL_3WG && FLASH_FWD_HD96_SW64
     using CausalNarrowTraits = HopperFwdTraits<kW, 144, 2, E, 80, 3, true, 80, true, kSpan>;
 #endif

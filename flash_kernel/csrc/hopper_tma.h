@@ -6,7 +6,9 @@
 // Host: a tensor map (CUtensorMap, 128 bytes) per operand describes the (B, T, H, D) tensor as 4 dims,
 // innermost first: (d, seqlen, heads, batch), strides in bytes; its box is one column block of kRows rows (64
 // bf16/fp16 = 128 bytes, the swizzle span; 32 = 64 bytes for the SW64 layout), so a kHeadDim-wide tile is
-// kHeadDim / 64 (or / 32) copies, each landing on its own column block of the tile. Rows past seqlen and columns
+// kHeadDim / 64 (or / 32) copies, each landing on its own column block of the tile. A tile whose last column block
+// is narrower (TileLayout, hopper_utils.cuh: 64 + 16 columns at head dims 65-80) has a second map per operand, of
+// that block's width and swizzle (16 columns in SW32), for its last copy. Rows past seqlen and columns
 // past d are out of bounds and filled with zeros by the hardware (the masking the cp.async path did with
 // predicates). The maps are kernel parameters (__grid_constant__), which is where the TMA unit reads them from.
 #pragma once
@@ -43,8 +45,8 @@ inline TensorMapEncodeTiled tensor_map_encoder() {
 }
 
 // A (B, T, H, D) operand, strides in elements as in FwdParams (0 for a dimension of size 1), tiled as
-// kRows x 64-column boxes (kSpanBytes = 64: 32-column boxes). The binding already checked what TMA needs: a
-// 16-byte-aligned base, strides that are multiples of 8 elements, d a multiple of 8.
+// kRows x 64-column boxes (kSpanBytes = 64: 32-column boxes; 32: 16-column ones). The binding already checked what
+// TMA needs: a 16-byte-aligned base, strides that are multiples of 8 elements, d a multiple of 8.
 template <typename Element, int kRows, int kSpanBytes = kSwizzleRowBytes>
 cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, int heads, int batch, int64_t row_stride,
                           int64_t head_stride, int64_t batch_stride) {
@@ -59,7 +61,9 @@ cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, 
                                 static_cast<cuuint64_t>(batch)};
     const cuuint64_t strides[3] = {bytes(row_stride), bytes(head_stride), bytes(batch_stride)};  // dims 1..3
     const cuuint32_t box[4] = {static_cast<cuuint32_t>(Span::kBlockElems), static_cast<cuuint32_t>(kRows), 1, 1};
-    constexpr CUtensorMapSwizzle kSwizzle = kSpanBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+    constexpr CUtensorMapSwizzle kSwizzle = kSpanBytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                            : kSpanBytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                               : CU_TENSOR_MAP_SWIZZLE_32B;
     const cuuint32_t element_strides[4] = {1, 1, 1, 1};
     const CUresult r = encode(map, std::is_same_v<Element, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                               4, const_cast<void*>(ptr), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -67,9 +71,11 @@ cudaError_t make_tile_map(CUtensorMap* map, const void* ptr, int d, int seqlen, 
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Q, K and V of both passes: Q in boxes of kQRows rows, K and V (h_k heads under GQA) of kKVRows.
+// Q, K and V of both passes: Q in boxes of kQRows rows, K and V (h_k heads under GQA) of kKVRows; the tails' maps
+// for tiles whose last column block is narrower (else not made).
 struct QkvTensorMaps {
     CUtensorMap q, k, v;
+    CUtensorMap q_tail, k_tail, v_tail;
 };
 
 // Varlen (hopper_seqlen.h): the packed (total, H, D) tensors as one batch entry of total rows, read at row
@@ -82,9 +88,22 @@ inline TileMapRows tile_map_rows(const FwdParams& p) {
     return {p.total_q > 0 ? p.total_q : 1, p.total_k > 0 ? p.total_k : 1, 1};
 }
 
-template <typename Element, int kQRows, int kKVRows, int kSpanBytes = kSwizzleRowBytes>
+// kCols: the tiles' width (TileLayout); where their last column block is narrower, the tails' maps too.
+template <typename Element, int kQRows, int kKVRows, int kSpanBytes, int kCols>
 cudaError_t make_qkv_tile_maps(QkvTensorMaps* maps, const FwdParams& p) {
     const TileMapRows rows = tile_map_rows(p);
+    if constexpr (TileLayout<kQRows, kCols, kSpanBytes>::kTailCols > 0) {
+        constexpr int kTailSpan = TileLayout<kQRows, kCols, kSpanBytes>::TailSpan::kBytes;
+        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kTailSpan>(&maps->q_tail, p.q_ptr, p.d, rows.q, p.h,
+                                                                         rows.batches, p.q_row_stride, p.q_head_stride,
+                                                                         p.q_batch_stride)));
+        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kTailSpan>(&maps->k_tail, p.k_ptr, p.d, rows.k, p.h_k,
+                                                                          rows.batches, p.k_row_stride, p.k_head_stride,
+                                                                          p.k_batch_stride)));
+        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kTailSpan>(&maps->v_tail, p.v_ptr, p.d, rows.k, p.h_k,
+                                                                          rows.batches, p.v_row_stride, p.v_head_stride,
+                                                                          p.v_batch_stride)));
+    }
     FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kSpanBytes>(&maps->q, p.q_ptr, p.d, rows.q, p.h,
                                                                       rows.batches, p.q_row_stride, p.q_head_stride,
                                                                       p.q_batch_stride)));
@@ -121,17 +140,20 @@ __device__ __forceinline__ void tma_load_tile(uint32_t smem, const CUtensorMap* 
         : "memory");
 }
 
-// A kRows x kHeadDim tile (all its column blocks) starting at `row` of (head, batch): arms `bar` with the tile's
-// bytes, then issues one copy per column block. One thread calls it, with a map of the same kSpanBytes.
+// A kRows x kHeadDim tile (all its column blocks, TileLayout) starting at `row` of (head, batch): arms `bar` with the
+// tile's bytes, then issues one copy per column block, the last from tail_map where that block is narrower (unread
+// otherwise). One thread calls it, with a map of the same kSpanBytes.
 template <int kRows, int kHeadDim, int kSpanBytes = kSwizzleRowBytes>
-__device__ __forceinline__ void tma_load_rows(uint32_t smem, const CUtensorMap* map, int row, int head, int batch, uint32_t bar) {
-    using Span = SwizzleSpan<kSpanBytes>;
-    constexpr uint32_t kColBlockBytes = kRows * Span::kBytes;
-    static_assert(kHeadDim % Span::kBlockElems == 0, "whole column blocks");
-    mbarrier_arrive_expect_tx(bar, kHeadDim / Span::kBlockElems * kColBlockBytes);
+__device__ __forceinline__ void tma_load_rows(uint32_t smem, const CUtensorMap* map, const CUtensorMap* tail_map, int row,
+                                              int head, int batch, uint32_t bar) {
+    using Layout = TileLayout<kRows, kHeadDim, kSpanBytes>;
+    mbarrier_arrive_expect_tx(bar, Layout::kBytes);
 #pragma unroll
-    for (int c = 0; c < kHeadDim / Span::kBlockElems; ++c) {
-        tma_load_tile(smem + c * kColBlockBytes, map, c * Span::kBlockElems, row, head, batch, bar);
+    for (int c = 0; c < Layout::kFullBlocks; ++c) {
+        tma_load_tile(smem + c * Layout::kBlockBytes, map, c * Layout::Span::kBlockElems, row, head, batch, bar);
+    }
+    if constexpr (Layout::kTailCols > 0) {
+        tma_load_tile(smem + Layout::kTailOffset, tail_map, Layout::kFullCols, row, head, batch, bar);
     }
 }
 
@@ -144,8 +166,8 @@ __device__ __forceinline__ void tma_store_tile(const CUtensorMap* map, uint32_t 
                  : "memory");
 }
 
-// tma_load_rows' inverse: a kRows x kHeadDim tile (all its column blocks) to `row` of (head, batch). One thread
-// calls it; it does not commit the group.
+// tma_load_rows' inverse: a kRows x kHeadDim tile (all its column blocks, whole ones only) to `row` of (head, batch).
+// One thread calls it; it does not commit the group.
 template <int kRows, int kHeadDim, int kSpanBytes = kSwizzleRowBytes>
 __device__ __forceinline__ void tma_store_rows(const CUtensorMap* map, uint32_t smem, int row, int head, int batch) {
     using Span = SwizzleSpan<kSpanBytes>;

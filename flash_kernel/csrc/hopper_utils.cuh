@@ -21,7 +21,10 @@
 // x 64 bytes (512 bytes), the chunk index's two bits XORed with (row / 2) % 4 (address bits [4:5] ^= [7:8]), so 8
 // rows of one 16-byte column still fill 8 bank groups. It tiles head dims 65-96 at 96 columns, where SW128 needs
 // 128 (a quarter of every K/V stage zeros, written by TMA and never read): the forward's Q, K and V there, and the
-// backward's Q, dO, K and V at 81-96.
+// backward's Q, dO, K and V at 81-96. The SW32 layout (SwizzleSpan<32>): rows of 32 bytes, column blocks of 16
+// elements, atoms of 8 rows x 32 bytes, the chunk index's bit XORed with (row / 4) % 2 (address bit [4] ^= [7]).
+// A tile whose width is not whole column blocks ends in a narrower block of its own (TileLayout below): head dims
+// 65-80 take one 64-column SW128 block and a 16-column SW32 one.
 #pragma once
 
 #include <cstdint>
@@ -30,25 +33,57 @@
 
 namespace flash {
 
-// A swizzled layout by the bytes of its rows (its swizzle span): 128 (SW128) or 64 (SW64).
+// A swizzled layout by the bytes of its rows (its swizzle span): 128 (SW128), 64 (SW64) or 32 (SW32).
 template <int kBytes_>
 struct SwizzleSpan {
-    static_assert(kBytes_ == 128 || kBytes_ == 64, "the SW128 and SW64 layouts");
+    static_assert(kBytes_ == 128 || kBytes_ == 64 || kBytes_ == 32, "the SW128, SW64 and SW32 layouts");
     static constexpr int kBytes = kBytes_;                // one row of one column block
     static constexpr int kBlockElems = kBytes / 2;        // 16-bit elements per row of one column block
+    static constexpr int kChunks = kBytes / 16;           // 16-byte chunks per row of one column block
     static constexpr int kAtomBytes = 8 * kBytes;         // 8 rows: SBO of a K-major operand, and of N-major's 8 keys
     static constexpr int kKStepsPerBlock = kBlockElems / 16;  // k16 steps of a K-major operand in one column block
-    static constexpr uint64_t kDescLayout = kBytes == 128 ? 1 : 2;  // the descriptor's layout type
+    static constexpr uint64_t kDescLayout = kBytes == 128 ? 1 : kBytes == 64 ? 2 : 3;  // the descriptor's layout type
+    // The chunk index XOR of a row: its bits are address bits [7:7+log2(kChunks)) of the row's start.
+    __host__ __device__ static constexpr int swizzle(int row) { return (row / (8 / kChunks)) % kChunks; }
 };
 
-// SW128, the layout of every tile but the SW64 ones named above.
+// A tile of kRows rows and kCols 16-bit columns: kCols / kBlockElems whole column blocks of SwizzleSpan<kSpanBytes>,
+// then, where columns are left (kTailCols: 16 or 32), one column block of those in the span of their bytes (SW32 or
+// SW64); each block kRows rows, one block after the other. A head dim of 80 so takes 160 bytes per row, where two
+// SW128 blocks take 256 and three SW64 ones 192 (the last half zeros past d in both), and with every SM loading, TMA
+// lands a 64-row tile in 342 cycles against 443 and 509 (bench/layout_rates.cu: a box costs its whole width, past d
+// too).
+template <int kRows, int kCols, int kSpanBytes>
+struct TileLayout {
+    using Span = SwizzleSpan<kSpanBytes>;
+    static constexpr int kFullBlocks = kCols / Span::kBlockElems;
+    static constexpr int kFullCols = kFullBlocks * Span::kBlockElems;
+    static constexpr int kTailCols = kCols - kFullCols;
+    static_assert(kTailCols == 0 || kTailCols == 16 || kTailCols == 32, "a last block of 16 (SW32) or 32 (SW64) columns");
+    using TailSpan = SwizzleSpan<(kTailCols > 0 ? 2 * kTailCols : kSpanBytes)>;
+    static constexpr uint32_t kBlockBytes = kRows * Span::kBytes;          // one whole column block
+    static constexpr uint32_t kTailOffset = kFullBlocks * kBlockBytes;     // the last block's start
+    static constexpr uint32_t kBytes = kTailOffset + kRows * 2 * kTailCols;
+    static constexpr int kFullKSteps = kFullBlocks * Span::kKStepsPerBlock;  // K-major k16 steps in the whole blocks
+    // Byte offset of the 16-byte chunk c (columns 8c..8c+7) of row `row`.
+    __host__ __device__ static constexpr uint32_t chunk_offset(int row, int c) {
+        if (c < kFullCols / 8) {
+            return static_cast<uint32_t>((c / Span::kChunks) * kBlockBytes + row * Span::kBytes +
+                                         ((c % Span::kChunks) ^ Span::swizzle(row)) * 16);
+        }
+        return kTailOffset + static_cast<uint32_t>(row * TailSpan::kBytes +
+                                                   ((c - kFullCols / 8) ^ TailSpan::swizzle(row)) * 16);
+    }
+};
+
+// SW128, the layout of every tile but the SW64 ones and the narrower last blocks named above.
 constexpr int kSwizzleAtomBytes = SwizzleSpan<128>::kAtomBytes;    // 1024: tiles start at multiples of this
 constexpr int kSwizzleRowBytes = SwizzleSpan<128>::kBytes;
 constexpr int kSwizzleBlockElems = SwizzleSpan<128>::kBlockElems;  // 64 elements per row of one column block
 
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride
 // byte offsets (all >> 4, 14 bits each), base offset 0 (tiles are 1024-aligned), layout type 1 = 128B swizzle,
-// 2 = 64B swizzle.
+// 2 = 64B swizzle, 3 = 32B swizzle.
 //
 // FLASH_WGMMA_DESC_PAIR (off): the descriptor is built from its two 32-bit words by `mov.b64 {lo, hi}`, which NVVM
 // cannot see into, and desc_advance is a 64-bit add. Where NVVM sees the constant high word, it turns every advance
@@ -159,13 +194,17 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 }
 
 // Byte offset of the 16-byte chunk c (column c * 8) of row `row` in a swizzled tile of kRows rows (SW128: 8 chunks
-// per row of a column block, XORed with row % 8; SW64: 4, XORed with (row / 2) % 4).
-template <int kRows, int kSpanBytes = kSwizzleRowBytes>
-__device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
-    constexpr int kChunks = kSpanBytes / 16;
-    const int swizzle = kSpanBytes == 128 ? row % 8 : (row / 2) % 4;
-    return static_cast<uint32_t>((c / kChunks) * kRows * kSpanBytes + row * kSpanBytes +
-                                 (((c % kChunks) ^ swizzle) * 16));
+// per row of a column block, XORed with row % 8; SW64: 4, XORed with (row / 2) % 4), kCols wide (0: whole column
+// blocks; else TileLayout's, whose last block may be narrower).
+template <int kRows, int kSpanBytes = kSwizzleRowBytes, int kCols = 0>
+__host__ __device__ __forceinline__ uint32_t swizzled_chunk_offset(int row, int c) {
+    using Span = SwizzleSpan<kSpanBytes>;
+    if constexpr (kCols > 0) {
+        return TileLayout<kRows, kCols, kSpanBytes>::chunk_offset(row, c);
+    } else {
+        return static_cast<uint32_t>((c / Span::kChunks) * kRows * kSpanBytes + row * kSpanBytes +
+                                     (((c % Span::kChunks) ^ Span::swizzle(row)) * 16));
+    }
 }
 
 // A warp's 16-bit fragment of k-step kk (the register A operand of an m64nNk16 wgmma, or an m16n8k16 mma: four 8x8
@@ -178,10 +217,10 @@ __device__ __forceinline__ void stmatrix_k_step(uint32_t tile, int row0, int kk,
 }
 
 // A swizzled tile of kRows rows of 16-bit elements (swizzled_chunk_offset) as a Tile of store_tile (utils.cuh).
-template <int kRows, int kSpanBytes = kSwizzleRowBytes>
+template <int kRows, int kSpanBytes = kSwizzleRowBytes, int kCols = 0>
 struct SwizzledSpanTile {
     __device__ static int index(int row, int col) {
-        return static_cast<int>(swizzled_chunk_offset<kRows, kSpanBytes>(row, col / 8) / 2) + col % 8;
+        return static_cast<int>(swizzled_chunk_offset<kRows, kSpanBytes, kCols>(row, col / 8) / 2) + col % 8;
     }
 };
 

@@ -175,7 +175,7 @@ def _skip_unless_sm90():
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
-@pytest.mark.parametrize("D", [40, 64, 72, 80, 96, 120, 128])  # 65-96: the 128-wide tiles, Q K^T to 96
+@pytest.mark.parametrize("D", [40, 64, 72, 80, 96, 120, 128])  # 65-80: the 80-wide tiles; 81-96: hd96's
 def test_hopper_kernels_are_the_default_on_sm90(pass_, D):
     _skip_unless_sm90()
     assert _kernel_name(pass_, D) == "sm90a-wgmma"
