@@ -36,14 +36,6 @@ namespace {
 
 constexpr int kSmemBytes = 200 * 1024;
 
-// The wgmma descriptor's layout type (PTX ISA, "Matrix Descriptor Format") of a swizzle whose rows are kBytes long,
-// and a descriptor of any of them (hopper_utils.cuh's make_smem_desc has the kernels' SW128 and SW64 only).
-__host__ __device__ constexpr uint64_t desc_layout(int bytes) { return bytes == 128 ? 1 : bytes == 64 ? 2 : 3; }
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint64_t layout) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-           (static_cast<uint64_t>(sbo >> 4) << 32) | (layout << 62);
-}
-
 // kBytes: the swizzle's row (128, 64 or 32 bytes: column blocks of kBytes / 2 elements); N: wgmma's N; kKSteps: k16
 // steps per group; kTransB 0: B K-major (N rows of K, like K in Q K^T), 1: N-major (K rows of N, like V in P V).
 template <int kBytes, int N, int kKSteps, int kTransB>
@@ -63,14 +55,13 @@ __global__ void __launch_bounds__(384, 1) wgmma_loop(long long* cycles, float* s
     __syncthreads();
     const uint32_t a = flash::smem_addr(smem) + wg * 64 * kBytes;
     const uint32_t b = flash::smem_addr(smem) + a_blocks * a_block_bytes;
-    constexpr uint64_t kLayout = desc_layout(kBytes);
     uint64_t desc_a[kKSteps], desc_b[kKSteps];
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         const int col = 16 * kk;
-        desc_a[kk] = make_desc(a + col / kElems * a_block_bytes + col % kElems * 2, 16, 8 * kBytes, kLayout);
-        desc_b[kk] = kTransB == 0 ? make_desc(b + col / kElems * (N * kBytes) + col % kElems * 2, 16, 8 * kBytes, kLayout)
-                                  : make_desc(b + kk * 16 * kBytes, kK * kBytes, 8 * kBytes, kLayout);
+        desc_a[kk] = flash::make_smem_desc<kBytes>(a + col / kElems * a_block_bytes + col % kElems * 2, 16, 8 * kBytes);
+        const uint32_t b_kk = kTransB == 0 ? b + col / kElems * (N * kBytes) + col % kElems * 2 : b + kk * 16 * kBytes;
+        desc_b[kk] = flash::make_smem_desc<kBytes>(b_kk, kTransB == 0 ? 16 : kK * kBytes, 8 * kBytes);
     }
     float acc[N / 2];
 #pragma unroll
