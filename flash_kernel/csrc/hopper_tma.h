@@ -88,30 +88,30 @@ inline TileMapRows tile_map_rows(const FwdParams& p) {
     return {p.total_q > 0 ? p.total_q : 1, p.total_k > 0 ? p.total_k : 1, 1};
 }
 
+// Q's, K's and V's maps of one swizzle span (boxes of its width) into q, k and v.
+template <typename Element, int kQRows, int kKVRows, int kSpanBytes>
+cudaError_t make_qkv_maps_of_span(CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, const FwdParams& p,
+                                  const TileMapRows& rows) {
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kSpanBytes>(q, p.q_ptr, p.d, rows.q, p.h, rows.batches,
+                                                                      p.q_row_stride, p.q_head_stride,
+                                                                      p.q_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kSpanBytes>(k, p.k_ptr, p.d, rows.k, p.h_k, rows.batches,
+                                                                       p.k_row_stride, p.k_head_stride,
+                                                                       p.k_batch_stride)));
+    return make_tile_map<Element, kKVRows, kSpanBytes>(v, p.v_ptr, p.d, rows.k, p.h_k, rows.batches, p.v_row_stride,
+                                                       p.v_head_stride, p.v_batch_stride);
+}
+
 // kCols: the tiles' width (TileLayout); where their last column block is narrower, the tails' maps too.
 template <typename Element, int kQRows, int kKVRows, int kSpanBytes, int kCols>
 cudaError_t make_qkv_tile_maps(QkvTensorMaps* maps, const FwdParams& p) {
+    using Layout = TileLayout<kQRows, kCols, kSpanBytes>;
     const TileMapRows rows = tile_map_rows(p);
-    if constexpr (TileLayout<kQRows, kCols, kSpanBytes>::kTailCols > 0) {
-        constexpr int kTailSpan = TileLayout<kQRows, kCols, kSpanBytes>::TailSpan::kBytes;
-        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kTailSpan>(&maps->q_tail, p.q_ptr, p.d, rows.q, p.h,
-                                                                         rows.batches, p.q_row_stride, p.q_head_stride,
-                                                                         p.q_batch_stride)));
-        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kTailSpan>(&maps->k_tail, p.k_ptr, p.d, rows.k, p.h_k,
-                                                                          rows.batches, p.k_row_stride, p.k_head_stride,
-                                                                          p.k_batch_stride)));
-        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kTailSpan>(&maps->v_tail, p.v_ptr, p.d, rows.k, p.h_k,
-                                                                          rows.batches, p.v_row_stride, p.v_head_stride,
-                                                                          p.v_batch_stride)));
+    if constexpr (Layout::kTailCols > 0) {
+        FLASH_RETURN_IF_ERROR((make_qkv_maps_of_span<Element, kQRows, kKVRows, Layout::TailSpan::kBytes>(
+            &maps->q_tail, &maps->k_tail, &maps->v_tail, p, rows)));
     }
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kSpanBytes>(&maps->q, p.q_ptr, p.d, rows.q, p.h,
-                                                                      rows.batches, p.q_row_stride, p.q_head_stride,
-                                                                      p.q_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kSpanBytes>(&maps->k, p.k_ptr, p.d, rows.k, p.h_k,
-                                                                       rows.batches, p.k_row_stride, p.k_head_stride,
-                                                                       p.k_batch_stride)));
-    return make_tile_map<Element, kKVRows, kSpanBytes>(&maps->v, p.v_ptr, p.d, rows.k, p.h_k, rows.batches,
-                                                       p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+    return make_qkv_maps_of_span<Element, kQRows, kKVRows, kSpanBytes>(&maps->q, &maps->k, &maps->v, p, rows);
 }
 
 // -------------------------------------------------------------------------------------------------- device
