@@ -31,6 +31,7 @@ import argparse
 import difflib
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,9 +158,12 @@ def compare(key: str, old: Listing | None, new: Listing | None) -> Comparison:
 
 
 def listings(path: Path, pattern: str) -> dict[str, Listing]:
-    """The functions of one input whose mangled or readable name matches `pattern`, keyed by the readable name."""
-    return {readable: Listing(k.name, readable, k.code)
-            for k, readable in sass_mix.matching_kernels(path, pattern, keep_predicates=True)}
+    """The functions of one input whose mangled or readable name matches `pattern`, keyed by the readable name; where
+    two functions read the same (overloads), by the readable name and the mangled one."""
+    found = sass_mix.matching_kernels(path, pattern, keep_predicates=True)
+    counts = Counter(readable for _, readable in found)
+    return {(readable if counts[readable] == 1 else f"{readable} [{k.name}]"): Listing(k.name, readable, k.code)
+            for k, readable in found}
 
 
 def pairs(old: dict[str, Listing], new: dict[str, Listing]) -> list[Comparison]:

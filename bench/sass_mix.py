@@ -59,6 +59,19 @@ class Kernel:
     code: list[tuple[int, str]] = field(default_factory=list)
 
 
+def without_parameters(name: str) -> str:
+    """A demangled function's name without its parameter list, the parenthesized group it ends with (scopes such as
+    `(anonymous namespace)::` before it stay), and without a `void ` return type."""
+    if name.endswith(")"):
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    return re.sub(r"^void ", "", name)
+
+
 def demangle(names: list[str]) -> list[str]:
     """C++ names as c++filt prints them (template arguments kept, the parameter list dropped); the names as they
     are without c++filt."""
@@ -69,7 +82,7 @@ def demangle(names: list[str]) -> list[str]:
     readable = done.stdout.splitlines() if done.returncode == 0 else []
     if len(readable) != len(names):
         return names
-    return [re.sub(r"^void ", "", r.split("(")[0]) if "(" in r else r for r in readable]
+    return [without_parameters(r) for r in readable]
 
 
 def opcode(text: str) -> str:

@@ -177,3 +177,29 @@ def test_a_kernel_that_gains_a_parameter_keeps_its_pair(tmp_path, capsys):
     new.write_text(listing({"_ZN5flash6kernelILi128EEEvif": KERNEL}))
     assert sd.main([str(old), str(new), "--check"]) == 0
     assert "| identical |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt (binutils) is not on PATH")
+def test_kernels_of_anonymous_namespaces_pair_by_name(tmp_path, capsys):
+    """A standalone .cu file's kernels live in an anonymous namespace whose mangled name carries the file's name and
+    a hash: two builds of it pair by the readable names, each kernel with its own, and a changed one is found."""
+    def name(scope: str, rows: int) -> str:
+        return f"_ZN{len(scope)}{scope}8tma_loopILi{rows}EEEvNS_8TileMapsEPxi"
+    old_scope, new_scope = "_GLOBAL__N__0a78281a_9_lr_old_cu_main", "_GLOBAL__N__64a231c2_15_layout_rates_cu_main"
+    old = tmp_path / "old.sass"
+    new = tmp_path / "new.sass"
+    old.write_text(listing({name(old_scope, 64): KERNEL, name(old_scope, 16): OTHER}))
+    new.write_text(listing({name(new_scope, 64): KERNEL, name(new_scope, 16): OTHER}))
+    assert sd.main([str(old), str(new), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "`(anonymous namespace)::tma_loop<64>`" in out and "`(anonymous namespace)::tma_loop<16>`" in out
+    new.write_text(listing({name(new_scope, 64): KERNEL, name(new_scope, 16): ["NOP", *OTHER]}))
+    assert sd.main([str(old), str(new), "--check"]) == 1
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt (binutils) is not on PATH")
+def test_overloads_that_read_the_same_keep_one_row_each(tmp_path):
+    path = tmp_path / "k.sass"
+    path.write_text(listing({"_ZN5flash5otherEv": OTHER, "_ZN5flash5otherEi": KERNEL}))
+    found = sd.listings(path, "other")
+    assert sorted(found) == ["flash::other [_ZN5flash5otherEi]", "flash::other [_ZN5flash5otherEv]"]

@@ -143,6 +143,16 @@ def test_names_demangle_where_cxxfilt_is(monkeypatch):
     assert sm.demangle(["_ZN5flash7convertEv"]) == ["_ZN5flash7convertEv"]
 
 
+def test_a_demangled_name_loses_its_parameter_list_only():
+    """The parameter list is the parenthesized group at the end; `(anonymous namespace)` before it is a scope (a
+    standalone .cu file's kernels live there), which cutting at the first parenthesis would leave as an empty name."""
+    assert sm.without_parameters("void (anonymous namespace)::tma_loop<64, 1, 32, 1>((anonymous namespace)::TileMaps, "
+                                 "long long*, int)") == "(anonymous namespace)::tma_loop<64, 1, 32, 1>"
+    assert sm.without_parameters("void flash::kernel<128>(flash::Params, int)") == "flash::kernel<128>"
+    assert sm.without_parameters("flash::other()") == "flash::other"
+    assert sm.without_parameters("flash::plain") == "flash::plain"
+
+
 def test_a_ptx_file_names_its_arch():
     assert sm.ptx_arch(".version 8.7\n.target sm_90a\n.address_size 64\n") == "sm_90a"
     assert sm.ptx_arch(".version 8.0\n  .target sm_80\n") == "sm_80"
