@@ -102,6 +102,25 @@ def test_the_persistent_backward_runs_hd96_non_causal_only(device_ptx):
     assert storing(["FLASH_BWD_PERSISTENT=0"]) == []
 
 
+def _desc_layouts(ptx: str) -> set[int]:
+    """The layout types (bits 62-63) of the 64-bit wgmma descriptor immediates in the PTX with bit 63 set: 2 (SW64) and
+    3 (SW32); SW128's 1 is positive and not among them."""
+    return {(int(wide) & (2**64 - 1)) >> 62 for wide, _ in DESC_IMMEDIATE.findall(ptx) if wide}
+
+
+def test_the_causal_hd80_tile_takes_q_and_k_80_wide_and_v_96_wide(device_ptx):
+    """FLASH_HD80_TAIL in the forward's causal 192 x 144 tile (FLASH_FWD_HD80_CAUSAL_3WG): Q and K 80 wide, their fifth
+    k16 step through SW32 descriptors, and V 96 wide in SW64, so that O += P V is one n80 wgmma per k-step reading P
+    from shared memory once (no n16); with the switch off, all three 96 wide in SW64, no SW32 descriptor."""
+    tile = "ELi144ELi2E"  # 144-key blocks on 2 stages: only this tile
+    (on,) = _kernels(device_ptx("flash_fwd_hdim96_bf16.cu", []), tile)
+    (off,) = _kernels(device_ptx("flash_fwd_hdim96_bf16.cu", ["FLASH_HD80_TAIL=0"]), tile)
+    assert "HopperFwdTraitsILi80ELi144E" in _name(on) and "HopperFwdTraitsILi96ELi144E" in _name(off)
+    assert _desc_layouts(on) == {2, 3} and _desc_layouts(off) == {2}
+    for kernel in (on, off):
+        assert WGMMA + "m64n80k16" in kernel and WGMMA + "m64n16k16" not in kernel
+
+
 UNMASKED = "EEELb0ELb0EEEv"  # a forward kernel's mangled template tail: neither causal nor varlen / local
 
 

@@ -24,14 +24,9 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     BwdTensorMaps maps;
     FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<Element, kM, kN, kSpan, Traits::kHeadDim>(&maps, p)));
     const TileMapRows rows = tile_map_rows(p);
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM, kSpan>(&maps.dO, p.do_ptr, p.d, rows.q, p.h, rows.batches,
-                                                             p.do_row_stride, p.do_head_stride, p.do_batch_stride)));
-    using QLayout = TileLayout<kM, Traits::kHeadDim, kSpan>;
-    if constexpr (QLayout::kTailCols > 0) {
-        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kM, QLayout::TailSpan::kBytes>(
-            &maps.do_tail, p.do_ptr, p.d, rows.q, p.h, rows.batches, p.do_row_stride, p.do_head_stride,
-            p.do_batch_stride)));
-    }
+    FLASH_RETURN_IF_ERROR((make_tile_maps<Element, kM, kSpan, Traits::kHeadDim>(
+        &maps.dO, &maps.do_tail, p.do_ptr, p.d, rows.q, p.h, rows.batches, p.do_row_stride, p.do_head_stride,
+        p.do_batch_stride)));
     if (is_varlen_or_local(p)) {
         return launch_kernel(&flash_bwd_hopper_kernel<Traits, false, true>, dim3(ceil_div(p.seqlen_k, kN), p.h, p.b),
                              Traits::kNThreads, Traits::kSmemOneBlockBytes, stream, p, maps, BwdTiles{});

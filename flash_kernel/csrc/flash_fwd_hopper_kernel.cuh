@@ -75,18 +75,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kKStepsN = kBlockN / kMmaK;    // k16 steps of P V
     // Q, K and V in the SwizzleSpan of the traits (SW128: column blocks of 64, SW64: of 32; hopper_utils.cuh); a
     // tile width that is not whole blocks ends in a narrower block of its own span (TileLayout: hd65-80's 16 columns
-    // in SW32).
+    // in SW32). V's tiles may have a width and span of their own (Traits::kVWidth, kVSpanBytes).
     constexpr int kSpan = Traits::kSpanBytes;
     using Span = SwizzleSpan<kSpan>;
-    using KVLayout = TileLayout<kBlockN, kHeadDim, kSpan>;
+    using KLayout = TileLayout<kBlockN, kHeadDim, kSpan>;
     using QLayout = TileLayout<kBlockM, kHeadDim, kSpan>;
-    using TailSpan = typename KVLayout::TailSpan;
+    using TailSpan = typename KLayout::TailSpan;
     constexpr int kTailSpan = TailSpan::kBytes;
-    constexpr int kFullKSteps = KVLayout::kFullKSteps;  // k16 steps of Q K^T in the whole column blocks
-    constexpr int kVFullCols = kVDim < KVLayout::kFullCols ? kVDim : KVLayout::kFullCols;  // P V's N in them
+    constexpr int kFullKSteps = KLayout::kFullKSteps;  // k16 steps of Q K^T in the whole column blocks
+    constexpr int kVWidth = Traits::kVWidth;
+    constexpr int kVSpan = Traits::kVSpanBytes;
+    using VSpan = SwizzleSpan<kVSpan>;
+    using VLayout = TileLayout<kBlockN, kVWidth, kVSpan>;
+    using VTailSpan = typename VLayout::TailSpan;
+    constexpr int kVTailSpan = VTailSpan::kBytes;
+    constexpr int kVFullCols = kVDim < VLayout::kFullCols ? kVDim : VLayout::kFullCols;  // P V's N in V's whole blocks
     constexpr uint32_t kQColBlockBytes = kBlockM * Span::kBytes;   // one column block of Q
-    constexpr uint32_t kKVColBlockBytes = kBlockN * Span::kBytes;  // one column block of K or V
-    constexpr uint32_t kKStepBytesN = kMmaK * Span::kBytes;        // 16 keys of V
+    constexpr uint32_t kKColBlockBytes = kBlockN * Span::kBytes;   // one column block of K
+    constexpr uint32_t kVColBlockBytes = kBlockN * VSpan::kBytes;  // one column block of V
+    constexpr uint32_t kKStepBytesN = kMmaK * VSpan::kBytes;       // 16 keys of V
     constexpr int kNConsumerThreads = Traits::kNConsumerThreads;
     constexpr int kNTileSlots = Traits::kNTileSlots;
 
@@ -95,8 +102,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     unsigned char* smem = align_smem<kSwizzleAtomBytes>(smem_raw);
     const uint32_t sQ = smem_addr(smem);                              // swizzled kBlockM x kHeadDim
     const uint32_t sK = sQ + Traits::kSmemQBytes;                     // [kNStages][swizzled kBlockN x kHeadDim]
-    const uint32_t sV = sK + kNStages * Traits::kSmemKVTileBytes;     // [kNStages][swizzled kBlockN x kHeadDim]
-    const uint32_t sP = sV + kNStages * Traits::kSmemKVTileBytes;     // kPSmem: [warpgroup][swizzled 64 x kBlockN]
+    const uint32_t sV = sK + kNStages * Traits::kSmemKTileBytes;      // [kNStages][swizzled kBlockN x kVWidth]
+    const uint32_t sP = sV + kNStages * Traits::kSmemVTileBytes;      // kPSmem: [warpgroup][swizzled 64 x kBlockN]
     const uint32_t bars = sQ + Traits::kSmemTileBytes;                // Traits::kNMbarriers mbarriers of 8 bytes
     const uint32_t full_q = bars + 8 * 4 * kNStages;
     const uint32_t empty_q = full_q + 8;
@@ -147,18 +154,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // (Producer.) K or V tile n_block of (head_k, batch), running index kv, once every consumer released the tile its
     // stage held kNStages tiles earlier; `full` and `empty` are the operand's stage-0 mbarriers. key0: the
     // sequence's first row (varlen), else 0.
-    auto load = [&](const CUtensorMap* map, const CUtensorMap* tail_map, uint32_t stage_tiles, uint32_t full,
-                    uint32_t empty, int kv, int n_block, int head_k, int batch, int key0) {
+    // is_v: std::true_type for V's tiles (kVWidth wide in kVSpan), std::false_type for K's.
+    auto load = [&](auto is_v, const CUtensorMap* map, const CUtensorMap* tail_map, uint32_t stage_tiles,
+                    uint32_t full, uint32_t empty, int kv, int n_block, int head_k, int batch, int key0) {
+        constexpr bool kV = decltype(is_v)::value;
+        constexpr uint32_t kStageBytes = kV ? Traits::kSmemVTileBytes : Traits::kSmemKTileBytes;
         const int stage = kv % kNStages;
         if (kv >= kNStages) mbarrier_wait(empty + 8 * stage, (kv / kNStages - 1) & 1);
-        tma_load_rows<kBlockN, kHeadDim, kSpan>(stage_tiles + stage * Traits::kSmemKVTileBytes, map, tail_map,
-                                                key0 + n_block * kBlockN, head_k, batch, full + 8 * stage);
+        tma_load_rows<kBlockN, kV ? kVWidth : kHeadDim, kV ? kVSpan : kSpan>(
+            stage_tiles + stage * kStageBytes, map, tail_map, key0 + n_block * kBlockN, head_k, batch,
+            full + 8 * stage);
     };
     auto load_k = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
-        load(&maps.k, &maps.k_tail, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch, key0);
+        load(std::false_type{}, &maps.k, &maps.k_tail, sK, full_k(0), empty_k(0), kv, n_block, head_k, batch, key0);
     };
     auto load_v = [&](int kv, int n_block, int head_k, int batch, int key0 = 0) {
-        load(&maps.v, &maps.v_tail, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch, key0);
+        load(std::true_type{}, &maps.v, &maps.v_tail, sV, full_v(0), empty_v(0), kv, n_block, head_k, batch, key0);
     };
     // The key blocks of the tile whose first row is row0: all of them, or causal up to the diagonal of its last row
     // (>= 1: fwd_tiles).
@@ -273,15 +284,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const uint64_t desc_q_tail =
         make_smem_desc<kTailSpan>(sQ + QLayout::kTailOffset + wg * kWarpgroupRows * kTailSpan, 16, TailSpan::kAtomBytes);
     auto issue_s = [&](int stage) {  // S = Q K_stage^T, kKStepsD wgmmas, K-major A and B
-        const uint32_t sK_st = sK + stage * Traits::kSmemKVTileBytes;
+        const uint32_t sK_st = sK + stage * Traits::kSmemKTileBytes;
         const uint64_t desc_k = make_smem_desc<kSpan>(sK_st, 16, Span::kAtomBytes);
-        const uint64_t desc_k_tail = make_smem_desc<kTailSpan>(sK_st + KVLayout::kTailOffset, 16, TailSpan::kAtomBytes);
+        const uint64_t desc_k_tail = make_smem_desc<kTailSpan>(sK_st + KLayout::kTailOffset, 16, TailSpan::kAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
             if (kk < kFullKSteps) {
                 Wgmma<Element, kBlockN>::template ss<0>(
                     s, desc_advance(desc_q, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32),
-                    desc_advance(desc_k, (kk / kSteps) * kKVColBlockBytes + (kk % kSteps) * 32), kk > 0);
+                    desc_advance(desc_k, (kk / kSteps) * kKColBlockBytes + (kk % kSteps) * 32), kk > 0);
             } else {
                 Wgmma<Element, kBlockN>::template ss<0>(s, desc_advance(desc_q_tail, (kk - kFullKSteps) * 32),
                                                         desc_advance(desc_k_tail, (kk - kFullKSteps) * 32), kk > 0);
@@ -289,10 +300,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
     };
     auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers (or sP_wg), V N-major
-        const uint32_t sV_st = sV + stage * Traits::kSmemKVTileBytes;
-        const uint64_t desc_v = make_smem_desc<kSpan>(sV_st, kKVColBlockBytes, Span::kAtomBytes);
-        const uint64_t desc_v_tail = make_smem_desc<kTailSpan>(sV_st + KVLayout::kTailOffset, kBlockN * kTailSpan,
-                                                               TailSpan::kAtomBytes);
+        const uint32_t sV_st = sV + stage * Traits::kSmemVTileBytes;
+        const uint64_t desc_v = make_smem_desc<kVSpan>(sV_st, kVColBlockBytes, VSpan::kAtomBytes);
+        const uint64_t desc_v_tail = make_smem_desc<kVTailSpan>(sV_st + VLayout::kTailOffset, kBlockN * kVTailSpan,
+                                                                VTailSpan::kAtomBytes);
         const uint64_t desc_p = make_smem_desc_sw128(sP_wg, 16, kSwizzleAtomBytes);
         // k-step kk into the accumulators of O's columns that `acc` holds (N = its width), V's from desc_b.
         auto pv_step = [&](auto& acc, int kk, uint64_t desc_b) {
@@ -311,7 +322,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 pv_step(*reinterpret_cast<float(*)[kVFullCols / 2]>(acc_o), kk,
                         desc_advance(desc_v, kk * kKStepBytesN));
                 pv_step(*reinterpret_cast<float(*)[(kVDim - kVFullCols) / 2]>(acc_o + kVFullCols / 2), kk,
-                        desc_advance(desc_v_tail, kk * kMmaK * kTailSpan));
+                        desc_advance(desc_v_tail, kk * kMmaK * kVTailSpan));
             } else {
                 pv_step(acc_o, kk, desc_advance(desc_v, kk * kKStepBytesN));
             }

@@ -40,7 +40,8 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
         if (p.seqlen_q == 0) return cudaSuccess;  // every sequence is empty: no rows to write
         QkvTensorMaps maps;
         FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN,
-                                                  Traits::kSpanBytes, Traits::kHeadDim>(&maps, p)));
+                                                  Traits::kSpanBytes, Traits::kHeadDim, Traits::kVSpanBytes,
+                                                  Traits::kVWidth>(&maps, p)));
         const FwdTiles tiles = fwd_local_tiles<Traits::kBlockM>(p);
         constexpr int kSmemBytes = Traits::kSmemBytes + 4 * Traits::kNTileSlots * (kLocalTileInts - 1);
         static_assert(kSmemBytes <= kMaxSmemBytesSm90, "the varlen / local tile slots must fit beside the tiles");
@@ -49,7 +50,8 @@ cudaError_t launch_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     } else {
         QkvTensorMaps maps;
         FLASH_RETURN_IF_ERROR((make_qkv_tile_maps<typename Traits::Element, Traits::kBlockM, Traits::kBlockN,
-                                                  Traits::kSpanBytes, Traits::kHeadDim>(&maps, p)));
+                                                  Traits::kSpanBytes, Traits::kHeadDim, Traits::kVSpanBytes,
+                                                  Traits::kVWidth>(&maps, p)));
         const FwdTiles tiles = fwd_tiles<Traits::kBlockM>(p);
         return launch_kernel(&flash_fwd_hopper_kernel<Traits, kIsCausal>, dim3(std::min(p.num_sms, tiles.num_tiles)),
                              Traits::kNThreads, Traits::kSmemBytes, stream, p, maps, tiles);

@@ -67,9 +67,11 @@ constexpr int fwd_rescale_threshold(int head_dim, bool masked) {
 // at 128-key blocks up to head dim 96 (FA4's sm90 tile there, 192 x 128).
 // kSpanBytes: Q, K and V in the SW128 layout (128, column blocks of 64) or SW64 (64, column blocks of 32:
 // hopper_utils.cuh), which tiles head dims 65-96 at 96 columns instead of 128. P tiles stay SW128.
+// kVWidth, kVSpanBytes: V's tiles where they differ from Q's and K's (kHeadDim wide in kSpanBytes): a P V that reads
+// P from shared memory reads it once per wgmma, so V keeps whole column blocks where Q and K end in a narrower one.
 template <int kHeadDim_, int kBlockN_, int kNStages_, typename Element_, int kQKDim_ = kHeadDim_, int kNWarpgroups_ = 2,
           bool kIntraWgOverlap_ = false, int kVDim_ = kHeadDim_, bool kPSmem_ = false,
-          int kSpanBytes_ = kSwizzleRowBytes>
+          int kSpanBytes_ = kSwizzleRowBytes, int kVWidth_ = kHeadDim_, int kVSpanBytes_ = kSpanBytes_>
 struct HopperFwdTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -84,8 +86,10 @@ struct HopperFwdTraits {
     static constexpr int kNThreads = kNConsumerThreads + kWarpgroupThreads;  // + the producer
     static constexpr bool kIntraWgOverlap = kIntraWgOverlap_;
     static constexpr bool kPSmem = kPSmem_;
-    static constexpr int kSpanBytes = kSpanBytes_;  // the Q, K and V tiles' SwizzleSpan
+    static constexpr int kSpanBytes = kSpanBytes_;  // the Q and K tiles' SwizzleSpan (and V's by default)
     static constexpr int kBlockElems = SwizzleSpan<kSpanBytes>::kBlockElems;
+    static constexpr int kVWidth = kVWidth_;
+    static constexpr int kVSpanBytes = kVSpanBytes_;
     // Two smaller changes that ride with the overlap: each consumer warp's lane 0 releases a K, V or Q stage (one
     // mbarrier arrival per warp, after __syncwarp, instead of one per thread), and the row max of S_j runs as
     // kRowMaxChains independent fmaxf chains combined at the end instead of one chain through every column.
@@ -115,13 +119,15 @@ struct HopperFwdTraits {
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     // A K or V stage: the tile's bytes rounded up to whole swizzle atoms (a 144-key tile 80 columns wide is 22.5 KiB),
     // so that every stage starts 1024-aligned.
-    static constexpr int kSmemKVTileBytes =
+    static constexpr int kSmemKTileBytes =
         ceil_div(kBlockN * kHeadDim * static_cast<int>(sizeof(Element)), kSwizzleAtomBytes) * kSwizzleAtomBytes;
+    static constexpr int kSmemVTileBytes =
+        ceil_div(kBlockN * kVWidth * static_cast<int>(sizeof(Element)), kSwizzleAtomBytes) * kSwizzleAtomBytes;
     // A P tile is whole 64-key column blocks (144 keys: three, the last a quarter used).
     static constexpr int kPTileCols = (kBlockN + kSwizzleBlockElems - 1) / kSwizzleBlockElems * kSwizzleBlockElems;
     static constexpr int kSmemPTileBytes = kPSmem ? kWarpgroupRows * kPTileCols * static_cast<int>(sizeof(Element)) : 0;
     static constexpr int kSmemTileBytes =
-        kSmemQBytes + 2 * kNStages * kSmemKVTileBytes + kNWarpgroups * kSmemPTileBytes;
+        kSmemQBytes + kNStages * (kSmemKTileBytes + kSmemVTileBytes) + kNWarpgroups * kSmemPTileBytes;
     // K full, V full, K empty, V empty per stage; Q full, empty; full and empty per tile slot (the producer's tiles
     // to the consumers, two ahead at most).
     static constexpr int kNTileSlots = 2;
@@ -136,8 +142,10 @@ struct HopperFwdTraits {
     static_assert(kQKDim % 16 == 0 && kQKDim <= kHeadDim && kQKDim > kHeadDim - kBlockElems,
                   "Q K^T's head dim: whole k16 steps in the tile's last column block");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN is wgmma's N for S (a multiple of 16 <= 256)");
-    static_assert(kVDim % 16 == 0 && kVDim <= kHeadDim && kVDim > kHeadDim - kBlockElems,
-                  "P V's N: whole n16 tiles of O that reach into the tile's last column block");
+    static_assert(TileLayout<kBlockN, kVWidth, kVSpanBytes>::kTailCols == 0 || kVSpanBytes == kSwizzleRowBytes,
+                  "V's tile width: whole column blocks, or SW128 blocks and a narrower last one (TileLayout)");
+    static_assert(kVDim % 16 == 0 && kVDim <= kVWidth && kVDim > kVWidth - SwizzleSpan<kVSpanBytes>::kBlockElems,
+                  "P V's N: whole n16 tiles of O that reach into V's last column block");
     static_assert(kNStages >= 2, "the producer loads K_{j+1} and V_j while turn j computes");
     static_assert(kNWarpgroups >= 2 && kNWarpgroups <= kMaxFwdWarpgroups, "ping-pong needs 2 or 3 warpgroups");
     static_assert(!kIntraWgOverlap || kOverlapLiveRegs + kOverlapOtherRegs <= kConsumerRegs,
@@ -182,8 +190,8 @@ struct HopperFwdTraits {
 // or 128 in SW128 (backward): TMA lands a 64-row tile in 342 cycles against 509 and 443 with every SM loading
 // (bench/layout_rates.cu), its last box no longer half or three quarters past d. Q K^T (S^T, dP^T) takes its fifth
 // k16 step from the SW32 block, O += P V (dV, dK) and the backward's second dQ warpgroup an n16 wgmma over it. The
-// forward's causal tile from kLongKeys (FLASH_FWD_HD80_CAUSAL_3WG) keeps its SW64 tiles: its P comes from shared
-// memory, which the n16 wgmma reads again, and on 80-wide tiles it ran 0.97-0.99 x (docs/results.md, section 48).
+// forward's causal tile from kLongKeys (FLASH_FWD_HD80_CAUSAL_3WG) takes Q and K on these tiles and keeps V on SW64's
+// 96-wide ones: its P comes from shared memory, which an n16 wgmma would read again (docs/results.md, 48-49).
 // FLASH_FWD_HD96_SW64 (on): the hd96 configs' Q, K and V tiles 96 columns wide in the SW64 layout instead of 128
 // in SW128: TMA writes a quarter fewer bytes per stage (the quarter it drops holds only zeros), and the tiles take
 // 3/4 of the shared memory (169 KB for the two-warpgroup tiles, 225 KB in SW128). The forward at head dims 81-96 runs
@@ -326,11 +334,14 @@ template <typename E> struct HopperFwdConfig<96, E> {
     using NarrowShortTraits = Short<80, 80>;
     using NarrowTraits = Long<80, 80>;
     // FLASH_FWD_HD80_CAUSAL_3WG: causal calls at head dims 65-80 from kLongKeys keys up on FA4's tile there, 192 query
-    // rows x 144 keys on three consumer warpgroups, P through shared memory, 216 KiB: in SW64's 96-column tiles only
-    // (SW128's take 270), FLASH_HD80_TAIL or not (its O += P V in two wgmmas would read P twice from shared memory).
-    // Below kLongKeys it runs 4% slower than NarrowShortTraits at 1024 keys.
+    // rows x 144 keys on three consumer warpgroups, P through shared memory: in SW64's 96-column tiles only (SW128's
+    // take 270 KiB), 216 KiB. FLASH_HD80_TAIL: Q and K on 80-wide tiles, V on the 96-wide SW64 ones (202 KiB), whose
+    // whole column blocks take O += P V in one wgmma: on 80-wide tiles it would be two, each reading P from shared
+    // memory, and ran 0.97-0.99 x (docs/results.md, section 48). Below kLongKeys it runs 4% slower than
+    // NarrowShortTraits at 1024 keys.
 #if FLASH_FWD_HD80_CAUSAL_3WG && FLASH_FWD_HD96_SW64
-    using CausalNarrowTraits = HopperFwdTraits<kW, 144, 2, E, 80, 3, true, 80, true, kSpan>;
+    using CausalNarrowTraits = HopperFwdTraits<fwd_hd96_width(80), 144, 2, E, 80, 3, true, 80, true,
+                                               fwd_hd96_span(80), kW, kSpan>;
 #endif
 };
 template <typename E> struct HopperFwdConfig<128, E> {

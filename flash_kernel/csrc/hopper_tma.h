@@ -88,30 +88,34 @@ inline TileMapRows tile_map_rows(const FwdParams& p) {
     return {p.total_q > 0 ? p.total_q : 1, p.total_k > 0 ? p.total_k : 1, 1};
 }
 
-// Q's, K's and V's maps of one swizzle span (boxes of its width) into q, k and v.
-template <typename Element, int kQRows, int kKVRows, int kSpanBytes>
-cudaError_t make_qkv_maps_of_span(CUtensorMap* q, CUtensorMap* k, CUtensorMap* v, const FwdParams& p,
-                                  const TileMapRows& rows) {
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kQRows, kSpanBytes>(q, p.q_ptr, p.d, rows.q, p.h, rows.batches,
-                                                                      p.q_row_stride, p.q_head_stride,
-                                                                      p.q_batch_stride)));
-    FLASH_RETURN_IF_ERROR((make_tile_map<Element, kKVRows, kSpanBytes>(k, p.k_ptr, p.d, rows.k, p.h_k, rows.batches,
-                                                                       p.k_row_stride, p.k_head_stride,
-                                                                       p.k_batch_stride)));
-    return make_tile_map<Element, kKVRows, kSpanBytes>(v, p.v_ptr, p.d, rows.k, p.h_k, rows.batches, p.v_row_stride,
-                                                       p.v_head_stride, p.v_batch_stride);
+// The maps of a kRows x kCols tile of one operand (TileLayout): `map` in boxes of its whole column blocks, and, where
+// its last block is narrower, `tail` in boxes of that block (else not made). Arguments after `tail` as make_tile_map's.
+template <typename Element, int kRows, int kSpanBytes, int kCols>
+cudaError_t make_tile_maps(CUtensorMap* map, CUtensorMap* tail, const void* ptr, int d, int seqlen, int heads,
+                           int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride) {
+    using Layout = TileLayout<kRows, kCols, kSpanBytes>;
+    if constexpr (Layout::kTailCols > 0) {
+        FLASH_RETURN_IF_ERROR((make_tile_map<Element, kRows, Layout::TailSpan::kBytes>(
+            tail, ptr, d, seqlen, heads, batch, row_stride, head_stride, batch_stride)));
+    }
+    return make_tile_map<Element, kRows, kSpanBytes>(map, ptr, d, seqlen, heads, batch, row_stride, head_stride,
+                                                     batch_stride);
 }
 
-// kCols: the tiles' width (TileLayout); where their last column block is narrower, the tails' maps too.
-template <typename Element, int kQRows, int kKVRows, int kSpanBytes, int kCols>
+// Q's and K's tiles kCols wide in kSpanBytes (TileLayout), V's kVCols wide in kVSpanBytes (by default the same).
+template <typename Element, int kQRows, int kKVRows, int kSpanBytes, int kCols, int kVSpanBytes = kSpanBytes,
+          int kVCols = kCols>
 cudaError_t make_qkv_tile_maps(QkvTensorMaps* maps, const FwdParams& p) {
-    using Layout = TileLayout<kQRows, kCols, kSpanBytes>;
     const TileMapRows rows = tile_map_rows(p);
-    if constexpr (Layout::kTailCols > 0) {
-        FLASH_RETURN_IF_ERROR((make_qkv_maps_of_span<Element, kQRows, kKVRows, Layout::TailSpan::kBytes>(
-            &maps->q_tail, &maps->k_tail, &maps->v_tail, p, rows)));
-    }
-    return make_qkv_maps_of_span<Element, kQRows, kKVRows, kSpanBytes>(&maps->q, &maps->k, &maps->v, p, rows);
+    FLASH_RETURN_IF_ERROR((make_tile_maps<Element, kQRows, kSpanBytes, kCols>(
+        &maps->q, &maps->q_tail, p.q_ptr, p.d, rows.q, p.h, rows.batches, p.q_row_stride, p.q_head_stride,
+        p.q_batch_stride)));
+    FLASH_RETURN_IF_ERROR((make_tile_maps<Element, kKVRows, kSpanBytes, kCols>(
+        &maps->k, &maps->k_tail, p.k_ptr, p.d, rows.k, p.h_k, rows.batches, p.k_row_stride, p.k_head_stride,
+        p.k_batch_stride)));
+    return make_tile_maps<Element, kKVRows, kVSpanBytes, kVCols>(&maps->v, &maps->v_tail, p.v_ptr, p.d, rows.k, p.h_k,
+                                                                 rows.batches, p.v_row_stride, p.v_head_stride,
+                                                                 p.v_batch_stride);
 }
 
 // -------------------------------------------------------------------------------------------------- device
