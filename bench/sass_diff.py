@@ -3,7 +3,9 @@ source change left as they were, and how far the others moved, without a GPU.
 
 Each input is what bench/sass_mix.py reads: a cubin, an object or shared library with embedded cubins, a PTX file, or
 SASS text that `cuobjdump -sass` printed. Kernels pair by name without their parameter list (c++filt's reading; by
-the mangled name where c++filt is missing), so a kernel that gains a parameter keeps its pair. Each pair is one of:
+the mangled name where c++filt is missing), so a kernel that gains a parameter keeps its pair; --rename PATTERN
+REPLACEMENT rewrites the new build's names first (re.sub), for kernels whose template arguments a change added or
+renamed. Each pair is one of:
 
   - identical: the same instructions, registers and branch targets;
   - renamed: the same program once registers (R, UR, P, UP, B) are numbered in order of first use and branch targets
@@ -21,6 +23,9 @@ is timed against that spread.
         -I flash_kernel/csrc flash_kernel/csrc/flash_bwd_hdim128_bf16.cu -o new.cubin    # and old.cubin in the other
     python bench/sass_diff.py v49=old.cubin v51=new.cubin --kernel flash_bwd_hopper_kernel --show 40 --check
     python bench/sass_diff.py flash_kernel/_candidate/_C*.so flash_kernel/_C*.so --kernel hopper
+    # v53's forward traits gained two template arguments (V's width and span) after v52's ten
+    python bench/sass_diff.py v52=old.cubin v53=new.cubin --rename '(HopperFwdTraits<[^<>]*), \\d+, \\d+>' '\\1>' \\
+        --check
 
 --check exits 1 where a pair is neither identical nor renamed, or a kernel has no pair.
 """
@@ -166,6 +171,20 @@ def listings(path: Path, pattern: str) -> dict[str, Listing]:
             for k, readable in found}
 
 
+def renamed_keys(found: dict[str, Listing], renames: list[tuple[str, str]]) -> dict[str, Listing]:
+    """`found` keyed by its names after each (pattern, replacement) in turn (re.sub); two names that become one are an
+    error, not a silent pair."""
+    out: dict[str, Listing] = {}
+    for key, listing in found.items():
+        new_key = key
+        for pattern, replacement in renames:
+            new_key = re.sub(pattern, replacement, new_key)
+        if new_key in out:
+            raise SystemExit(f"sass_diff: --rename makes two kernels {new_key!r}")
+        out[new_key] = listing
+    return out
+
+
 def pairs(old: dict[str, Listing], new: dict[str, Listing]) -> list[Comparison]:
     keys = list(old) + [k for k in new if k not in old]
     return [compare(k, old.get(k), new.get(k)) for k in keys]
@@ -195,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", type=int, default=20, help="differing lines printed per pair (default 20)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 where a pair is neither identical nor renamed, or a kernel has no pair")
+    p.add_argument("--rename", nargs=2, action="append", default=[], metavar=("PATTERN", "REPLACEMENT"),
+                   help="rewrite the new build's kernel names by re.sub before pairing (repeatable)")
     args = p.parse_args(argv)
     specs = [sass_mix.split_spec(s) for s in (args.old, args.new)]
     labels = tuple(label or default for (label, _), default in zip(specs, ("old", "new")))
     found = [listings(path, args.kernel) for _, path in specs]
+    found[1] = renamed_keys(found[1], args.rename)
     if not found[0] and not found[1]:
         raise SystemExit(f"sass_diff: no kernel matches {args.kernel!r}")
     comparisons = pairs(*found)

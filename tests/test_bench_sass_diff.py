@@ -203,3 +203,22 @@ def test_overloads_that_read_the_same_keep_one_row_each(tmp_path):
     path.write_text(listing({"_ZN5flash5otherEv": OTHER, "_ZN5flash5otherEi": KERNEL}))
     found = sd.listings(path, "other")
     assert sorted(found) == ["flash::other [_ZN5flash5otherEi]", "flash::other [_ZN5flash5otherEv]"]
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="c++filt (binutils) is not on PATH")
+def test_rename_pairs_kernels_whose_template_arguments_changed(tmp_path, capsys):
+    """A kernel whose traits gained two template arguments has no pair by name; --rename dropping them pairs it, and
+    a rename that makes two kernels one name is refused."""
+    old = tmp_path / "old.sass"
+    new = tmp_path / "new.sass"
+    old.write_text(listing({"_ZN5flash6kernelINS_6TraitsILi80ELi128EEEEEvv": KERNEL}))
+    new.write_text(listing({"_ZN5flash6kernelINS_6TraitsILi80ELi128ELi96ELi64EEEEEvv": KERNEL,
+                            "_ZN5flash6kernelINS_6TraitsILi80ELi128ELi80ELi128EEEEEvv": OTHER}))
+    assert sd.main([str(old), str(new), "--check"]) == 1
+    capsys.readouterr()
+    drop_96_64 = ["--rename", r"(Traits<\d+, \d+), 96, 64>", r"\1>"]
+    assert sd.main([str(old), str(new), "--check", *drop_96_64]) == 1  # the other kernel has no pair
+    out = capsys.readouterr().out
+    assert "| `flash::kernel<flash::Traits<80, 128> >` | 7 | 7 | identical |" in out
+    with pytest.raises(SystemExit, match="makes two kernels"):
+        sd.main([str(old), str(new), "--rename", r"(Traits<\d+, \d+), \d+, \d+>", r"\1>"])
