@@ -55,16 +55,22 @@ def _compile_kernel_file(nvcc: str, mode: list[str], source: str, defines: list[
     assert build.returncode == 0, build.stderr[-3000:]
 
 
-@pytest.fixture
-def device_ptx(tmp_path):
+@pytest.fixture(scope="session")
+def device_ptx(tmp_path_factory):
     """device_ptx("flash_fwd_hdim128_bf16.cu", ["NAME=1"]) -> the PTX nvcc makes of that csrc file for sm_90a (with
-    the Hopper kernels, no ptxas: seconds, not minutes), with these -D defines."""
+    the Hopper kernels, no ptxas: seconds, not minutes), with these -D defines; compiled once per pytest run for each
+    (file, defines), which many build-switch tests share (a file's default build above all)."""
     nvcc = _nvcc("compiles the kernels to PTX")
+    root = tmp_path_factory.mktemp("device_ptx")
+    made: dict[tuple[str, tuple[str, ...]], Path] = {}
 
     def run(source: str, defines: list[str]) -> str:
-        ptx = tmp_path / f"{Path(source).stem}.{len(list(tmp_path.iterdir()))}.ptx"
-        _compile_kernel_file(nvcc, ["-ptx", "-O3", "-arch=compute_90a"], source, defines, ptx)
-        return ptx.read_text()
+        key = (source, tuple(defines))
+        if key not in made:
+            ptx = root / f"{Path(source).stem}.{len(made)}.ptx"
+            _compile_kernel_file(nvcc, ["-ptx", "-O3", "-arch=compute_90a"], source, defines, ptx)
+            made[key] = ptx
+        return made[key].read_text()
 
     return run
 
