@@ -4,8 +4,10 @@ GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to 
 code."""
 
 import os
+import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,35 +57,71 @@ def _compile_kernel_file(nvcc: str, mode: list[str], source: str, defines: list[
     assert build.returncode == 0, build.stderr[-3000:]
 
 
+SWITCH_DEFAULT = re.compile(r"^#ifndef (FLASH_\w+)\n#define \1 (\S+)", re.M)
+
+
+def switch_defaults() -> dict[str, str]:
+    """{NAME: value} of the build switches the csrc headers default with `#ifndef NAME` / `#define NAME value`."""
+    found: dict[str, set[str]] = {}
+    for header in sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cuh")]):
+        for name, value in SWITCH_DEFAULT.findall(header.read_text()):
+            found.setdefault(name, set()).add(value)
+    return {name: values.pop() for name, values in found.items() if len(values) == 1}
+
+
+class DevicePtx:
+    """device_ptx("flash_fwd_hdim128_bf16.cu", ["NAME=1"]) -> the PTX nvcc makes of that csrc file for sm_90a (the
+    Hopper kernels, no ptxas: seconds, not minutes) with these -D defines. Each build is made once per pytest run,
+    keyed by the file and the defines that differ from the headers' defaults (a switch at its default builds what
+    naming no switch builds), and many build-switch tests share one (a file's default build above all).
+    device_ptx.each(source, defines_a, defines_b, ...) makes the builds not yet made side by side, one nvcc per core."""
+
+    def __init__(self, nvcc: str, root: Path):
+        self.nvcc, self.root = nvcc, root
+        self.defaults = switch_defaults()
+        self.made: dict[tuple[str, tuple[str, ...]], Path] = {}
+
+    def key(self, source: str, defines: list[str]) -> tuple[str, tuple[str, ...]]:
+        values = {}
+        for define in defines:  # "NAME" alone is NAME=1, as for nvcc -D; a later NAME wins
+            name, sep, value = define.partition("=")
+            values[name] = value if sep else "1"
+        return source, tuple(sorted(f"{n}={v}" for n, v in values.items() if v != self.defaults.get(n)))
+
+    def _make(self, key: tuple[str, tuple[str, ...]], ptx: Path) -> Path:
+        source, defines = key
+        _compile_kernel_file(self.nvcc, ["-ptx", "-O3", "-arch=compute_90a"], source, list(defines), ptx)
+        return ptx
+
+    def each(self, source: str, *defines: list[str]) -> list[str]:
+        keys = [self.key(source, d) for d in defines]
+        missing = [k for k in dict.fromkeys(keys) if k not in self.made]
+        paths = [self.root / f"{Path(source).stem}.{len(self.made) + i}.ptx" for i in range(len(missing))]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as pool:
+            self.made.update(zip(missing, pool.map(self._make, missing, paths)))
+        return [self.made[k].read_text() for k in keys]
+
+    def __call__(self, source: str, defines: list[str]) -> str:
+        return self.each(source, defines)[0]
+
+
 @pytest.fixture(scope="session")
-def device_ptx(tmp_path_factory):
-    """device_ptx("flash_fwd_hdim128_bf16.cu", ["NAME=1"]) -> the PTX nvcc makes of that csrc file for sm_90a (with
-    the Hopper kernels, no ptxas: seconds, not minutes), with these -D defines; compiled once per pytest run for each
-    (file, defines), which many build-switch tests share (a file's default build above all)."""
-    nvcc = _nvcc("compiles the kernels to PTX")
-    root = tmp_path_factory.mktemp("device_ptx")
-    made: dict[tuple[str, tuple[str, ...]], Path] = {}
-
-    def run(source: str, defines: list[str]) -> str:
-        key = (source, tuple(defines))
-        if key not in made:
-            ptx = root / f"{Path(source).stem}.{len(made)}.ptx"
-            _compile_kernel_file(nvcc, ["-ptx", "-O3", "-arch=compute_90a"], source, defines, ptx)
-            made[key] = ptx
-        return made[key].read_text()
-
-    return run
+def device_ptx(tmp_path_factory) -> DevicePtx:
+    """The run's DevicePtx: compiles kernel files to PTX (nvcc's absence skips the test)."""
+    return DevicePtx(_nvcc("compiles the kernels to PTX"), tmp_path_factory.mktemp("device_ptx"))
 
 
 @pytest.fixture
 def host_object(tmp_path):
     """host_object("flash_fwd_hdim96_bf16.cu") compiles that csrc file as the build does, host code included, for
-    sm_90a's PTX (no ptxas), and fails with nvcc's errors: the host compiler parses templates the device pass took."""
+    sm_90a's PTX (no ptxas), and fails with nvcc's errors: the host compiler parses templates the device pass took.
+    The device pass runs without NVVM's optimizer (-Xcicc -O0: 4 s instead of 9 for the hd96 forward here); its
+    front end instantiates every template either way, and device_ptx compiles the optimized PTX."""
     nvcc = _nvcc("compiles the kernel files' host code")
 
     def run(source: str) -> None:
-        _compile_kernel_file(nvcc, ["-c", "-O0", "-gencode", "arch=compute_90a,code=compute_90a"], source, [],
-                             tmp_path / f"{Path(source).stem}.o")
+        _compile_kernel_file(nvcc, ["-c", "-O0", "-Xcicc", "-O0", "-gencode", "arch=compute_90a,code=compute_90a"],
+                             source, [], tmp_path / f"{Path(source).stem}.o")
 
     return run
 

@@ -38,7 +38,7 @@ def _waits(ptx: str) -> dict[int, int]:
 @pytest.mark.parametrize("switch", list(SWITCHES))
 def test_a_switch_compiles_and_waits_for_one_group_while_another_runs(switch, device_ptx):
     source, default, held = SWITCHES[switch]
-    off, on = device_ptx(source, [f"{switch}=0", *held]), device_ptx(source, [f"{switch}=1", *held])
+    off, on = device_ptx.each(source, [f"{switch}=0", *held], [f"{switch}=1", *held])
     assert _waits(off).get(0) and not _waits(off).get(1), _waits(off)
     assert _waits(on).get(0) and _waits(on).get(1), _waits(on)
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
@@ -82,24 +82,37 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
 @pytest.mark.parametrize("switch, source, default, mark, held", TILE_SWITCHES,
                          ids=[f"{switch}-{source.split('_')[1]}" for switch, source, *_ in TILE_SWITCHES])
 def test_a_tile_switch_compiles_to_its_tiles(switch, source, default, mark, held, device_ptx):
-    off, on = device_ptx(source, [f"{switch}=0", *held]), device_ptx(source, [f"{switch}=1", *held])
+    off, on = device_ptx.each(source, [f"{switch}=0", *held], [f"{switch}=1", *held])
     marked = mark if callable(mark) else lambda ptx: mark in ptx
     assert marked(on) and not marked(off)
     assert device_ptx(source, held) == (on if default else off), f"{switch}'s default is not {default}"
+
+
+def test_a_switch_named_at_its_default_shares_the_default_build(device_ptx):
+    """device_ptx keys a build by the defines that differ from the headers' defaults, so naming a switch at its default
+    reuses the build that names none (one nvcc run fewer per switch); a bare NAME is NAME=1, as for nvcc."""
+    named = {*SWITCHES, *(row[0] for row in TILE_SWITCHES)}
+    assert named <= set(device_ptx.defaults), named - set(device_ptx.defaults)
+    source = "flash_fwd_hdim64_bf16.cu"
+    assert device_ptx.key(source, ["FLASH_HD80_TAIL=1", "FLASH_BWD_TRACE=0"]) == device_ptx.key(source, []) == (source, ())
+    assert device_ptx.key(source, ["FLASH_FWD_EXP_SPLIT=100", "FLASH_BWD_TRACE"]) == (
+        source, ("FLASH_BWD_TRACE=1", "FLASH_FWD_EXP_SPLIT=100"))
 
 
 def test_the_persistent_backward_runs_hd96_non_causal_only(device_ptx):
     """FLASH_BWD_PERSISTENT at hd81-96, whose dK_j and dV_j leave by TMA stores from a buffer of their own: of the
     hd96 file's Hopper backward kernels only the dense non-causal one on the 96-wide tiles stores them so (the causal
     and varlen kernels and the hd80 twins run one block per tile, hopper_bwd_traits.h); with the switch off, none."""
-    def storing(defines):
-        kernels = _kernels(device_ptx("flash_bwd_hdim96_bf16.cu", defines), "flash_bwd_hopper_kernel")
+    builds = device_ptx.each("flash_bwd_hdim96_bf16.cu", [], ["FLASH_BWD_PERSISTENT=0"])
+
+    def storing(ptx):
+        kernels = _kernels(ptx, "flash_bwd_hopper_kernel")
         assert len(kernels) == 6, [_name(k) for k in kernels]  # two tiles x (non-causal, causal, varlen / local)
         return [_name(k) for k in kernels if TMA_STORE in k]
 
-    (kernel,) = storing([])
+    (kernel,) = storing(builds[0])
     assert "HopperBwdTraitsILi96E" in kernel and "ELb0ELb0EEEv" in kernel, kernel  # 96 wide; not causal, not varlen
-    assert storing(["FLASH_BWD_PERSISTENT=0"]) == []
+    assert storing(builds[1]) == []
 
 
 def _desc_layouts(ptx: str) -> set[int]:
@@ -113,8 +126,8 @@ def test_the_causal_hd80_tile_takes_q_and_k_80_wide_and_v_96_wide(device_ptx):
     k16 step through SW32 descriptors, and V 96 wide in SW64, so that O += P V is one n80 wgmma per k-step reading P
     from shared memory once (no n16); with the switch off, all three 96 wide in SW64, no SW32 descriptor."""
     tile = "ELi144ELi2E"  # 144-key blocks on 2 stages: only this tile
-    (on,) = _kernels(device_ptx("flash_fwd_hdim96_bf16.cu", []), tile)
-    (off,) = _kernels(device_ptx("flash_fwd_hdim96_bf16.cu", ["FLASH_HD80_TAIL=0"]), tile)
+    builds = device_ptx.each("flash_fwd_hdim96_bf16.cu", [], ["FLASH_HD80_TAIL=0"])
+    (on,), (off,) = (_kernels(ptx, tile) for ptx in builds)
     assert "HopperFwdTraitsILi80ELi144E" in _name(on) and "HopperFwdTraitsILi96ELi144E" in _name(off)
     assert _desc_layouts(on) == {2, 3} and _desc_layouts(off) == {2}
     for kernel in (on, off):
@@ -151,11 +164,11 @@ def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_
     which waits for S_0 alone, exponentiates all 96 after its wait either way); hd64's three warpgroups keep all
     before it at any setting."""
     tile = ("HopperFwdTraitsILi128ELi192ELi2E", UNMASKED)  # the 192-key tile
-    half, whole = (device_ptx("flash_fwd_hdim128_bf16.cu", [f"FLASH_FWD_EXP_SPLIT={pct}"]) for pct in (50, 100))
+    half, whole = device_ptx.each("flash_fwd_hdim128_bf16.cu", *([f"FLASH_FWD_EXP_SPLIT={pct}"] for pct in (50, 100)))
     assert 48 in _exponentials_after_a_wait(half, *tile) and 96 + 2 in _exponentials_after_a_wait(half, *tile)
     assert max(_exponentials_after_a_wait(whole, *tile)[1:]) == 0
     assert device_ptx("flash_fwd_hdim128_bf16.cu", []) == half, "FLASH_FWD_EXP_SPLIT's default is not 50"
-    hd64 = [device_ptx("flash_fwd_hdim64_bf16.cu", [f"FLASH_FWD_EXP_SPLIT={pct}"]) for pct in (50, 100)]
+    hd64 = device_ptx.each("flash_fwd_hdim64_bf16.cu", *([f"FLASH_FWD_EXP_SPLIT={pct}"] for pct in (50, 100)))
     assert hd64[0] == hd64[1]
 
 
@@ -164,7 +177,7 @@ def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
     whether some row moved its max, once per softmax; at 0 none votes and O is rescaled every turn. By default
     (-1) hd64's dense non-causal kernels vote (neither causal nor varlen / local), and no other kernel does."""
     for source in ("flash_fwd_hdim64_bf16.cu", "flash_fwd_hdim128_bf16.cu"):
-        off, lazy, default = (device_ptx(source, [f"FLASH_FWD_RESCALE_THRESHOLD={t}"]) for t in (0, 8, -1))
+        off, lazy, default = device_ptx.each(source, *([f"FLASH_FWD_RESCALE_THRESHOLD={t}"] for t in (0, 8, -1)))
         kernels = _kernels(lazy, "flash_fwd_hopper_kernel")
         assert kernels and all("vote.sync.any.pred" in e for e in kernels), source
         assert "vote.sync" not in off, source
@@ -183,7 +196,7 @@ def test_the_descriptor_pair_switch_builds_each_descriptor_from_two_words(source
     """FLASH_WGMMA_DESC_PAIR: at 1 every Hopper kernel builds its wgmma descriptors by `mov.b64 {lo, hi}` (the
     128-byte-swizzle ones with the high word 0x40000040), so no 64-bit descriptor constant is left for NVVM to fold
     into the advances; at 0, the default, none is built that way and the constant is ORed in."""
-    off, on = (device_ptx(source, [f"FLASH_WGMMA_DESC_PAIR={v}"]) for v in (0, 1))
+    off, on = device_ptx.each(source, *([f"FLASH_WGMMA_DESC_PAIR={v}"] for v in (0, 1)))
     assert not DESC_PAIR.search(off) and SW128_DESC in off
     kernels = _kernels(on, "_hopper_kernel")
     assert kernels and all(DESC_PAIR.search(e) and SW128_DESC_HI.search(e) for e in kernels)
