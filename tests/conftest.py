@@ -16,6 +16,17 @@ TESTS = Path(__file__).resolve().parent
 CSRC = TESTS.parent / "flash_kernel" / "csrc"
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """pytest-xdist's worker count for `-n auto` (make test): without a visible CUDA GPU one per core, up to 4, each
+    running whole test files (--dist loadfile: a file's nvcc builds and data cache are made once); with one, none, so
+    that the tests run in this process one after another: the GPU tests share the device and the two-GPU tests need
+    both GPUs."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    return 0 if torch.cuda.is_available() or cores < 2 else min(cores, 4)
+
+
 def _nvcc(purpose: str) -> str:
     """nvcc's path; the test skips, naming `purpose`, where there is none."""
     found = shutil.which("nvcc")
