@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -67,6 +68,14 @@ def reference(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------------------------- signals
+def _named_checkpoint(out: str) -> Path:
+    """The checkpoint a stopped run's message names ("resume with ckpt_path=<...>.ckpt"). The path ends at ".ckpt":
+    the run's processes share the pipe, and another one's line can land between the message and its newline."""
+    named = re.search(r"resume with ckpt_path=(\S+?\.ckpt)", out)
+    assert named, out[-2000:]
+    return Path(named.group(1))
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_mid_run_saves_the_step_exits_nonzero_and_resumes_exactly(reference, tmp_path, signum):
     """The signal arrives after the first checkpoint (step 2 here): the step in flight finishes, its checkpoint
@@ -84,7 +93,7 @@ def test_signal_mid_run_saves_the_step_exits_nonzero_and_resumes_exactly(referen
     assert proc.returncode == 128 + signum, out[-3000:]
     name = signal.Signals(signum).name
     assert f"stopped by {name} after step" in out and "resume with ckpt_path=" in out, out[-2000:]
-    saved = Path(out.split("resume with ckpt_path=")[1].split()[0])
+    saved = _named_checkpoint(out)
     step = _state(saved)["global_step"]
     assert 2 <= step < STEPS and saved.name == f"step{step:07d}.ckpt"
     assert verify_checkpoint(saved) and _same_weights(saved, run / "checkpoints" / "last.ckpt")
@@ -112,7 +121,7 @@ def _sigterm_and_resume(cache, tmp_path, common, env, timeout):
     assert rc == 0, out[-3000:]
     rc, out = launch(tmp_path / "stopped", signal_after=tmp_path / "stopped" / "checkpoints" / "step0000002.ckpt")
     assert rc == 143 and "stopped by SIGTERM after step" in out, out[-3000:]
-    saved = Path(out.split("resume with ckpt_path=")[1].split()[0])
+    saved = _named_checkpoint(out)
     rc, out = launch(tmp_path / "resumed", f"ckpt_path={saved}")
     assert rc == 0, out[-3000:]
     metrics = [json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("full", "resumed")]
