@@ -52,11 +52,11 @@ sample: install build ## generate text from the last checkpoint of `make train` 
 
 # make test leaves nothing in the tree: no bytecode, no .pytest_cache (the tests write runs under tmp)
 # where pytest-xdist is installed (the dev extra), -n auto spreads whole test files over the worker processes that
-# tests/conftest.py asks for: one per core up to 4 without a GPU, none (this process) with one
+# tests/conftest.py asks for: one per core up to 4 without a GPU, none (this process) with one. XDIST expands when
+# the recipe runs, after `install`.
+XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n auto --dist loadfile")
 test: install build ## run the test suite (CPU tests always; GPU tests when a GPU and the built kernel are present)
-	@xdist=$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n auto --dist loadfile"); \
-	echo "PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist $(ARGS)"; \
-	PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider $$xdist $(ARGS)
+	PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST) $(ARGS)
 
 test-gpu: install build ## only the GPU tests (kernel correctness), failing if they would skip
 	$(PYTHON) -c "import torch, flash_kernel as fk, sys; sys.exit(0 if torch.cuda.is_available() and fk.is_available() else 'test-gpu: ' + str(fk.unavailable_reason()))"

@@ -99,17 +99,18 @@ class DevicePtx:
             values[name] = value if sep else "1"
         return source, tuple(sorted(f"{n}={v}" for n, v in values.items() if v != self.defaults.get(n)))
 
-    def _make(self, key: tuple[str, tuple[str, ...]], ptx: Path) -> Path:
+    def _make(self, key: tuple[str, tuple[str, ...]]) -> Path:
         source, defines = key
+        ptx = self.root / f"{Path(source).stem}.{'.'.join(defines) or 'default'}.ptx"
         _compile_kernel_file(self.nvcc, ["-ptx", "-O3", "-arch=compute_90a"], source, list(defines), ptx)
         return ptx
 
     def each(self, source: str, *defines: list[str]) -> list[str]:
         keys = [self.key(source, d) for d in defines]
         missing = [k for k in dict.fromkeys(keys) if k not in self.made]
-        paths = [self.root / f"{Path(source).stem}.{len(self.made) + i}.ptx" for i in range(len(missing))]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(missing), os.cpu_count() or 1))) as pool:
-            self.made.update(zip(missing, pool.map(self._make, missing, paths)))
+        if missing:
+            with ThreadPoolExecutor(max_workers=min(len(missing), os.cpu_count() or 1)) as pool:
+                self.made.update(zip(missing, pool.map(self._make, missing)))
         return [self.made[k].read_text() for k in keys]
 
     def __call__(self, source: str, defines: list[str]) -> str:
