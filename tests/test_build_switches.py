@@ -187,6 +187,33 @@ def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
         assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_THRESHOLD's default is not -1"
 
 
+def _o_multiplies_before_p_v(kernel: str) -> list[int]:
+    """For each `wgmma.commit_group` in a kernel's PTX, how many fp32 multiplies follow it before the next wgmma, wgmma
+    wait or barrier: O's rescale where it runs between the commit of S_j's group and the issue of P V."""
+    counts = []
+    for chunk in kernel.split("wgmma.commit_group.sync.aligned;")[1:]:
+        ends = [i for i in (chunk.find(m) for m in ("wgmma.mma_async", "wgmma.wait_group", "bar.sync")) if i >= 0]
+        counts.append(len(re.findall(r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b", chunk[:min(ends, default=len(chunk))])))
+    return counts
+
+
+def test_o_is_rescaled_before_p_v_where_the_switch_says(device_ptx):
+    """FLASH_FWD_RESCALE_BEFORE_PV: at 1 every hd128 Hopper forward kernel (each runs the intra-warpgroup overlap and
+    no rescale threshold) multiplies O's 64 accumulators per thread between the commit of S_j's wgmma group and the
+    issue of P V; at 0 none does. By default (-1) only the dense non-causal kernel on 192-key blocks does."""
+    source = "flash_fwd_hdim128_bf16.cu"
+    off, on, default = device_ptx.each(source, *([f"FLASH_FWD_RESCALE_BEFORE_PV={v}"] for v in (0, 1, -1)))
+    assert len(_kernels(on, "flash_fwd_hopper_kernel")) == 6  # two tiles x (non-causal, causal, varlen / local)
+    for kernel in _kernels(on, "flash_fwd_hopper_kernel"):
+        assert 64 in _o_multiplies_before_p_v(kernel), _name(kernel)
+    for kernel in _kernels(off, "flash_fwd_hopper_kernel"):
+        assert max(_o_multiplies_before_p_v(kernel)) == 0, _name(kernel)
+    for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
+        before = 64 in _o_multiplies_before_p_v(kernel)
+        assert before == ("HopperFwdTraitsILi128ELi192ELi2E" in _name(kernel) and UNMASKED in _name(kernel)), _name(kernel)
+    assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_BEFORE_PV's default is not -1"
+
+
 DESC_PAIR = re.compile(r"mov\.b64 %rd\d+, \{%r\d+, %r\d+\};")
 SW128_DESC = "4611686293305294848"  # 0x4000004000000000: layout type 1 (128-byte swizzle), a 1024-byte stride
 SW128_DESC_HI = re.compile(r"mov\.u32\s+%r\d+, 1073741888;")  # its high word, 0x40000040, as a 32-bit immediate

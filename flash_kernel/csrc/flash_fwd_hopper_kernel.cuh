@@ -332,10 +332,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
     // defer_o = std::true_type (kIntraWgOverlap, while this warpgroup's P_{j-1} V_{j-1} is in flight): acc_o and p,
     // which that wgmma reads, are left alone; P_j stays in s and O's factors in `correction` until rescale_o_pack_p
-    // after the wait, which also exponentiates S_j's tiles from kExpTilesBeforeWait on.
+    // after the wait, which also exponentiates S_j's tiles from kExpTilesBeforeWait on (kRescaleBeforePv: the
+    // factors wait for the next turn, which applies them before it issues its P V).
     // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
     int local_len_k = 0, local_co = 0;
-    float correction[2];
+    float correction[2] = {1.f, 1.f};
     float row_max_scaled[2];  // defer_o: each row's m_i * scale_log2, for the exponentials after the wait
     // kRescaleThreshold > 0 (hopper_kernel_traits.h, FLASH_FWD_RESCALE_THRESHOLD): whether the warp's last softmax
     // moved some row's m_i, so that O needs its rescale.
@@ -388,6 +389,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             acc_o[4 * i + 2 * r] *= factor;
             acc_o[4 * i + 2 * r + 1] *= factor;
         }
+    };
+    // kRescaleBeforePv (FLASH_FWD_RESCALE_BEFORE_PV): `correction` carries a turn's factors to the next turn, which
+    // rescales O with them before it issues the P V that adds P_{j-1} V_{j-1}.
+    constexpr bool kRescaleBeforePv = Traits::kIntraWgOverlap && !kLazyRescale &&
+                                      fwd_rescale_before_pv(kVDim, kBlockN, kIsCausal || kVarlenOrLocal);
+    auto scale_o_by_correction = [&] {
+        scale_o(0, correction[0]);
+        scale_o(1, correction[1]);
     };
     auto softmax = [&](int n_block, int row0, auto defer_o) {
         constexpr bool kDeferO = decltype(defer_o)::value;
@@ -494,7 +503,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         pack_p();
     };
     auto rescale_o_pack_p = [&] {
-        if (rescale_o) {  // always, without kLazyRescale
+        if constexpr (kRescaleBeforePv) {
+            finish_softmax(std::false_type{});
+        } else if (rescale_o) {  // always, without kLazyRescale
             finish_softmax(std::true_type{});
         } else {
             finish_softmax(std::false_type{});
@@ -551,6 +562,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         for (int i = 0; i < kVDim / 2; ++i) acc_o[i] = 0.f;
         m_i[0] = m_i[1] = -INFINITY;
         l_i[0] = l_i[1] = 0.f;
+        correction[0] = correction[1] = 1.f;  // turn 0's softmax scales O itself
 
         // Turn 0: S_0. (TMA writes and wgmma reads are both async-proxy accesses: no proxy fence.)
         mbarrier_wait(full_q, tile_iter & 1);
@@ -579,6 +591,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 // S_j first, as its own group, so that wait<1> returns with the P V still in flight.
                 issue_s(stage);
                 wgmma_commit();
+                if constexpr (kRescaleBeforePv) {
+                    scale_o_by_correction();
+                    wgmma_fence();  // acc_o's writes before the P V that accumulates into it
+                }
                 issue_pv(prev);
                 wgmma_commit();
                 named_barrier_arrive(next_turn, kTurnBarThreads);
@@ -623,6 +639,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         // kIntraWgOverlap: the turn of S_last waited for V_last.
         if constexpr (!Traits::kIntraWgOverlap) mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
         named_barrier_sync(my_turn, kTurnBarThreads);
+        if constexpr (kRescaleBeforePv) scale_o_by_correction();
         wgmma_fence();
         issue_pv(last);
         wgmma_commit();

@@ -32,6 +32,27 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 constexpr int kFwdExpSplitPct = FLASH_FWD_EXP_SPLIT;
 static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPLIT is a percentage");
 
+// FLASH_FWD_RESCALE_BEFORE_PV (docs/kernel_design.md, "Build switches"): under the intra-warpgroup overlap, O's
+// rescale by the factors of S_{j-1}'s softmax runs at turn j between the issue of S_j and that of P_{j-1} V_{j-1},
+// while S_j is on the tensor cores (FA3's RescaleOBeforeGemm), instead of after the wait for that P V, on the
+// warpgroup's path to its next turn. 0: off; 1: every overlap kernel without a rescale threshold; -1 (the default):
+// where it is timed faster, the dense non-causal hd128 kernel on 192-key blocks (1.01-1.02 x from 2k keys), and off
+// elsewhere (hd80 and hd96 0.97-1.01 x, causal hd128 0.99-1.01 x, hd128's 128-key blocks 0.97 x; docs/results.md,
+// section 51).
+#ifndef FLASH_FWD_RESCALE_BEFORE_PV
+#define FLASH_FWD_RESCALE_BEFORE_PV -1
+#endif
+constexpr int kFwdRescaleBeforePv = FLASH_FWD_RESCALE_BEFORE_PV;
+static_assert(kFwdRescaleBeforePv >= -1 && kFwdRescaleBeforePv <= 1,
+              "FLASH_FWD_RESCALE_BEFORE_PV: -1 (by kernel), 0 (off) or 1 (on)");
+
+// Whether an overlap kernel without a rescale threshold rescales O before its P V is issued: O kVDim columns wide,
+// on kBlockN-key blocks; masked: causal, or the varlen / local kernel.
+constexpr bool fwd_rescale_before_pv(int v_dim, int block_n, bool masked) {
+    if (kFwdRescaleBeforePv >= 0) return kFwdRescaleBeforePv == 1;
+    return v_dim == 128 && block_n == 192 && !masked;
+}
+
 // FLASH_FWD_RESCALE_THRESHOLD (powers of two; docs/kernel_design.md, "Build switches"): the online softmax keeps a
 // row's running max m_i until the row max of S passes it by more than this many powers of two, the rescale threshold
 // of FlashAttention-4's Blackwell forward. P's entries then stay below 2^threshold (exact in bf16 and fp16: the
