@@ -37,8 +37,8 @@ static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPL
 // while S_j is on the tensor cores (FA3's RescaleOBeforeGemm), instead of after the wait for that P V, on the
 // warpgroup's path to its next turn. 0: off; 1: every overlap kernel without a rescale threshold; -1 (the default):
 // where it is timed faster, the dense non-causal hd128 kernel on 192-key blocks (1.01-1.02 x from 2k keys), and off
-// elsewhere (hd80 and hd96 0.97-1.01 x, causal hd128 0.99-1.01 x, hd128's 128-key blocks 0.97 x; docs/results.md,
-// section 51).
+// elsewhere (hd80 and hd96 0.97-1.01 x, causal hd128 0.99-1.01 x, hd128's 128-key blocks 0.97 x, causal hd64
+// 0.99-1.00 x; docs/results.md, section 51).
 #ifndef FLASH_FWD_RESCALE_BEFORE_PV
 #define FLASH_FWD_RESCALE_BEFORE_PV -1
 #endif
