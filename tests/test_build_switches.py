@@ -148,15 +148,20 @@ def _kernels(ptx: str, *name_parts: str) -> list[str]:
     return [e for e in ptx.split(".visible .entry ")[1:] if all(n in _name(e) for n in name_parts)]
 
 
+def _counts_after(kernel: str, marker: str, pattern: str) -> list[int]:
+    """For each `marker` in a kernel's PTX, how many matches of the regex `pattern` follow it before the next barrier,
+    wgmma or wgmma wait."""
+    counts = []
+    for chunk in kernel.split(marker)[1:]:
+        ends = [i for i in (chunk.find(m) for m in ("bar.sync", "wgmma.mma_async", "wgmma.wait_group")) if i >= 0]
+        counts.append(len(re.findall(pattern, chunk[:min(ends, default=len(chunk))])))
+    return counts
+
+
 def _exponentials_after_a_wait(ptx: str, *name_parts: str) -> list[int]:
     """For each `wgmma.wait_group 0` in the kernel whose name contains every one of `name_parts`, how many ex2
     instructions follow it before the next barrier, wgmma or wgmma wait."""
-    kernel = _kernels(ptx, *name_parts)[0]
-    counts = []
-    for chunk in kernel.split("wgmma.wait_group.sync.aligned 0;")[1:]:
-        ends = [i for i in (chunk.find(m) for m in ("bar.sync", "wgmma.mma_async", "wgmma.wait_group")) if i >= 0]
-        counts.append(chunk[:min(ends, default=len(chunk))].count("ex2.approx"))
-    return counts
+    return _counts_after(_kernels(ptx, *name_parts)[0], "wgmma.wait_group.sync.aligned 0;", r"ex2\.approx")
 
 
 def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_ptx):
@@ -190,11 +195,7 @@ def test_the_rescale_threshold_puts_o_s_rescale_behind_a_warp_vote(device_ptx):
 def _o_multiplies_before_p_v(kernel: str) -> list[int]:
     """For each `wgmma.commit_group` in a kernel's PTX, how many fp32 multiplies follow it before the next wgmma, wgmma
     wait or barrier: O's rescale where it runs between the commit of S_j's group and the issue of P V."""
-    counts = []
-    for chunk in kernel.split("wgmma.commit_group.sync.aligned;")[1:]:
-        ends = [i for i in (chunk.find(m) for m in ("wgmma.mma_async", "wgmma.wait_group", "bar.sync")) if i >= 0]
-        counts.append(len(re.findall(r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b", chunk[:min(ends, default=len(chunk))])))
-    return counts
+    return _counts_after(kernel, "wgmma.commit_group.sync.aligned;", r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b")
 
 
 def test_o_is_rescaled_before_p_v_where_the_switch_says(device_ptx):
