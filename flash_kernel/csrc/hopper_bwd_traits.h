@@ -152,7 +152,7 @@ template <int kHeadDim, typename Element> struct HopperBwdConfig { static conste
 template <typename E> struct HopperBwdConfig<64, E> {
     static constexpr bool kAvailable = true;
     // 128 queries per iteration: S^T and dP^T as n128 wgmmas, dQ split by queries (faster than 64 queries, whose dQ
-    // would be split by keys into two partial tiles); 167 KB of shared memory.
+    // would be split by keys into two partial tiles); 195 KiB of shared memory.
     using Traits = HopperBwdTraits<64, E, 64, 128>;
 };
 template <typename E> struct HopperBwdConfig<96, E> {
@@ -173,7 +173,9 @@ template <typename E> struct HopperBwdConfig<96, E> {
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;
-    using Traits = HopperBwdTraits<128, E>;   // 180 KB
+    // 64-row query blocks, 210 KiB of shared memory. FA3's 80 (dQ_i^T = K^T dS_i^T) leave room for one sdQ stage
+    // only: non-causal, they ran 0.93 x these, 0.96-0.98 x with conflict-free dQ^T stores (docs/results.md, section 52).
+    using Traits = HopperBwdTraits<128, E>;
 };
 #endif
 
