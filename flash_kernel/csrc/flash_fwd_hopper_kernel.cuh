@@ -390,14 +390,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             acc_o[4 * i + 2 * r + 1] *= factor;
         }
     };
-    // kRescaleBeforePv (FLASH_FWD_RESCALE_BEFORE_PV): `correction` carries a turn's factors to the next turn, which
-    // rescales O with them before it issues the P V that adds P_{j-1} V_{j-1}.
-    constexpr bool kRescaleBeforePv = Traits::kIntraWgOverlap && !kLazyRescale &&
-                                      fwd_rescale_before_pv(kVDim, kBlockN, kIsCausal || kVarlenOrLocal);
+    // Both rows of O times the factors kept in `correction`.
     auto scale_o_by_correction = [&] {
         scale_o(0, correction[0]);
         scale_o(1, correction[1]);
     };
+    // kRescaleBeforePv (FLASH_FWD_RESCALE_BEFORE_PV): `correction` carries a turn's factors to the next turn, which
+    // rescales O with them before it issues the P V that adds P_{j-1} V_{j-1}.
+    constexpr bool kRescaleBeforePv = Traits::kIntraWgOverlap && !kLazyRescale &&
+                                      fwd_rescale_before_pv(kVDim, kBlockN, kIsCausal || kVarlenOrLocal);
     auto softmax = [&](int n_block, int row0, auto defer_o) {
         constexpr bool kDeferO = decltype(defer_o)::value;
         bool moved[2] = {true, true};  // kLazyRescale: whether row r's m_i moved
@@ -484,10 +485,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
         if constexpr (kLazyRescale) rescale_o = __any_sync(0xffffffffu, moved[0] || moved[1]);
         if constexpr (kLazyRescale && !kDeferO) {
-            if (rescale_o) {
-                scale_o(0, correction[0]);
-                scale_o(1, correction[1]);
-            }
+            if (rescale_o) scale_o_by_correction();
         }
         if constexpr (!kDeferO) pack_p();
     };
@@ -503,9 +501,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         pack_p();
     };
     auto rescale_o_pack_p = [&] {
-        if constexpr (kRescaleBeforePv) {
-            finish_softmax(std::false_type{});
-        } else if (rescale_o) {  // always, without kLazyRescale
+        if (!kRescaleBeforePv && rescale_o) {  // rescale_o: always, without kLazyRescale
             finish_softmax(std::true_type{});
         } else {
             finish_softmax(std::false_type{});
