@@ -215,6 +215,32 @@ def test_o_is_rescaled_before_p_v_where_the_switch_says(device_ptx):
     assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_BEFORE_PV's default is not -1"
 
 
+def _s_wgmma_shapes(kernel: str) -> set[str]:
+    """The wgmma shapes of a kernel's PTX whose A operand is a shared-memory descriptor (S = Q K^T's; P V's A is in
+    registers), e.g. {"m64n192k16", "m64n64k16"}."""
+    return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.\w+\.\w+ \{[^}]*\}, %rd", kernel))
+
+
+def test_the_last_key_block_narrows_where_the_switch_says(device_ptx):
+    """FLASH_FWD_NARROW_LAST_BLOCK: at 1 every hd128 Hopper forward kernel also issues S = Q K^T over 64 keys (a last
+    block's first 64-key step), the 192-key ones over 128 keys too; at 0 every S spans its whole key block. By default
+    (-1) every kernel narrows but the dense non-causal one on 128-key blocks, which T a multiple of 128 fills."""
+    source = "flash_fwd_hdim128_bf16.cu"
+    off, on, default = device_ptx.each(source, *([f"FLASH_FWD_NARROW_LAST_BLOCK={v}"] for v in (0, 1, -1)))
+    assert len(_kernels(on, "flash_fwd_hopper_kernel")) == 6  # two tiles x (non-causal, causal, varlen / local)
+    for kernel in _kernels(on, "flash_fwd_hopper_kernel"):
+        wide = "HopperFwdTraitsILi128ELi192ELi2E" in _name(kernel)
+        expected = {"m64n192k16", "m64n64k16", "m64n128k16"} if wide else {"m64n128k16", "m64n64k16"}
+        assert _s_wgmma_shapes(kernel) == expected, _name(kernel)
+    for kernel in _kernels(off, "flash_fwd_hopper_kernel"):
+        wide = "HopperFwdTraitsILi128ELi192ELi2E" in _name(kernel)
+        assert _s_wgmma_shapes(kernel) == {"m64n192k16" if wide else "m64n128k16"}, _name(kernel)
+    for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
+        filled = "HopperFwdTraitsILi128ELi128ELi3E" in _name(kernel) and UNMASKED in _name(kernel)
+        assert ("m64n64k16" in _s_wgmma_shapes(kernel)) != filled, _name(kernel)
+    assert device_ptx(source, []) == default, "FLASH_FWD_NARROW_LAST_BLOCK's default is not -1"
+
+
 DESC_PAIR = re.compile(r"mov\.b64 %rd\d+, \{%r\d+, %r\d+\};")
 SW128_DESC = "4611686293305294848"  # 0x4000004000000000: layout type 1 (128-byte swizzle), a 1024-byte stride
 SW128_DESC_HI = re.compile(r"mov\.u32\s+%r\d+, 1073741888;")  # its high word, 0x40000040, as a 32-bit immediate

@@ -24,8 +24,11 @@
 //     the consumer's registers together: hopper_kernel_traits.h): a turn commits S_j and then O += P_{j-1} V_{j-1}
 //     as two wgmma groups and waits for S_j alone, so the softmax of S_j (mask, m_i, exponentials, l_i) also runs
 //     while the warpgroup's own P V is on the tensor cores. O's rescale and P_j's packing into the A-operand
-//     registers, which that P V reads, wait for it; so does a share of the exponentials (Traits::
-//     kExpTilesBeforeWait), which ptxas then interleaves with the rescale and the packing on the SFU's latency.
+//     registers, which that P V reads, wait for it; so does a share of the exponentials
+//     (fwd_exp_tiles_before_wait), which ptxas then interleaves with the rescale and the packing on the SFU's latency.
+//   - Narrowed last block (fwd_narrow_last_block, hopper_kernel_traits.h): a tile's last key block computes S, its
+//     softmax and P V only over whole 64-key steps up to the last key some row of the tile sees, in a copy of the
+//     turn after the main loop.
 //   - Persistent (fwd_tile_scheduler.h): one block per SM runs query-block tiles one after another. The K/V
 //     stages and their barrier phases run on across tiles; the producer loads the next tile's first K as soon as
 //     its stage is free and its Q once the tile's last S released it, and warpgroup 0 starts the next tile while
@@ -56,6 +59,24 @@ namespace flash {
 constexpr int kBarTurnWg0 = 1;  // + wg: "warpgroup wg may issue its matmuls"
 // A turn barrier: the warpgroup whose turn it is syncs, the one before it arrives.
 constexpr int kTurnBarThreads = 2 * kWarpgroupThreads;
+
+// Calls f with std::integral_constant<int, n>: the fewest n8 column tiles of S, whole kFwdNarrowStepTiles steps below
+// kNTiles or all kNTiles, that hold `tiles` of them (FLASH_FWD_NARROW_LAST_BLOCK: the n8 tiles a narrowed key block
+// computes). kWithAll = false: the caller knows that a narrower step holds them, and all kNTiles is not compiled.
+template <int kNTiles, bool kWithAll = true, typename F>
+__device__ __forceinline__ void with_s_tiles(int tiles, F&& f) {
+    static_assert(kNTiles <= 4 * kFwdNarrowStepTiles, "key blocks of up to 256 keys: steps of 64, 128 and 192");
+    if constexpr (kNTiles > kFwdNarrowStepTiles) {
+        if (tiles <= kFwdNarrowStepTiles) return f(std::integral_constant<int, kFwdNarrowStepTiles>{});
+    }
+    if constexpr (kNTiles > 2 * kFwdNarrowStepTiles) {
+        if (tiles <= 2 * kFwdNarrowStepTiles) return f(std::integral_constant<int, 2 * kFwdNarrowStepTiles>{});
+    }
+    if constexpr (kNTiles > 3 * kFwdNarrowStepTiles) {
+        if (tiles <= 3 * kFwdNarrowStepTiles) return f(std::integral_constant<int, 3 * kFwdNarrowStepTiles>{});
+    }
+    if constexpr (kWithAll) f(std::integral_constant<int, kNTiles>{});
+}
 
 // kVarlenOrLocal: the varlen / sliding-window kernel (kIsCausal false; causal is its window's right bound).
 template <typename Traits, bool kIsCausal, bool kVarlenOrLocal = false>
@@ -283,23 +304,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const uint64_t desc_q = make_smem_desc<kSpan>(sQ + wg * kWarpgroupRows * Span::kBytes, 16, Span::kAtomBytes);
     const uint64_t desc_q_tail =
         make_smem_desc<kTailSpan>(sQ + QLayout::kTailOffset + wg * kWarpgroupRows * kTailSpan, 16, TailSpan::kAtomBytes);
-    auto issue_s = [&](int stage) {  // S = Q K_stage^T, kKStepsD wgmmas, K-major A and B
+    // S = Q K_stage^T into acc (N: its keys), kKStepsD wgmmas, K-major A and B.
+    auto issue_s = [&](int stage, auto& acc) {
+        constexpr int kN = 2 * static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>>);
         const uint32_t sK_st = sK + stage * Traits::kSmemKTileBytes;
         const uint64_t desc_k = make_smem_desc<kSpan>(sK_st, 16, Span::kAtomBytes);
         const uint64_t desc_k_tail = make_smem_desc<kTailSpan>(sK_st + KLayout::kTailOffset, 16, TailSpan::kAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
             if (kk < kFullKSteps) {
-                Wgmma<Element, kBlockN>::template ss<0>(
-                    s, desc_advance(desc_q, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32),
+                Wgmma<Element, kN>::template ss<0>(
+                    acc, desc_advance(desc_q, (kk / kSteps) * kQColBlockBytes + (kk % kSteps) * 32),
                     desc_advance(desc_k, (kk / kSteps) * kKColBlockBytes + (kk % kSteps) * 32), kk > 0);
             } else {
-                Wgmma<Element, kBlockN>::template ss<0>(s, desc_advance(desc_q_tail, (kk - kFullKSteps) * 32),
-                                                        desc_advance(desc_k_tail, (kk - kFullKSteps) * 32), kk > 0);
+                Wgmma<Element, kN>::template ss<0>(acc, desc_advance(desc_q_tail, (kk - kFullKSteps) * 32),
+                                                   desc_advance(desc_k_tail, (kk - kFullKSteps) * 32), kk > 0);
             }
         }
     };
-    auto issue_pv = [&](int stage) {  // O += P V_stage, kKStepsN wgmmas, P from registers (or sP_wg), V N-major
+    // O += P V_stage over ntiles' keys, a wgmma per k16 step: P from registers (or sP_wg), V N-major.
+    auto issue_pv = [&](int stage, auto ntiles) {
         const uint32_t sV_st = sV + stage * Traits::kSmemVTileBytes;
         const uint64_t desc_v = make_smem_desc<kVSpan>(sV_st, kVColBlockBytes, VSpan::kAtomBytes);
         const uint64_t desc_v_tail = make_smem_desc<kVTailSpan>(sV_st + VLayout::kTailOffset, kBlockN * kVTailSpan,
@@ -316,7 +340,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             }
         };
 #pragma unroll
-        for (int kk = 0; kk < kKStepsN; ++kk) {
+        for (int kk = 0; kk < decltype(ntiles)::value / 2; ++kk) {
             if constexpr (kVDim > kVFullCols) {
                 // O's columns in V's whole column blocks, then those in its narrower last block: two wgmmas.
                 pv_step(*reinterpret_cast<float(*)[kVFullCols / 2]>(acc_o), kk,
@@ -328,11 +352,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             }
         }
     };
+    // A turn's S_j and P_j span its key block's kNTilesN n8 tiles (all_tiles) or, where FLASH_FWD_NARROW_LAST_BLOCK
+    // narrows the tile's last block, its first ntiles (std::integral_constant); s's tiles past them are neither written
+    // nor read. A narrowed S_j accumulates into an array of its own (s_narrow, 4 ntiles floats), which land_s copies
+    // into s once its wgmmas completed: with a narrower wgmma accumulating into part of s, ptxas serializes every wgmma
+    // of the kernel (C7511, "insufficient register resources for the wgmma pipeline").
+    constexpr std::integral_constant<int, kNTilesN> all_tiles{};
+    auto issue_s_into = [&](int stage, auto ntiles, auto& s_narrow) {
+        if constexpr (decltype(ntiles)() < kNTilesN) {
+            issue_s(stage, s_narrow);
+        } else {
+            issue_s(stage, s);
+        }
+    };
+    auto land_s = [&](auto ntiles, const auto& s_narrow) {
+        if constexpr (decltype(ntiles)() < kNTilesN) {
+#pragma unroll
+            for (int i = 0; i < 4 * decltype(ntiles)(); ++i) s[i] = s_narrow[i];
+        }
+    };
     // Mask S_j, online softmax (flash_fwd_kernel.cuh: base 2, rows without a visible key keep m = -inf), and
     // P_j into the A-operand registers. acc_o already holds every P V up to j - 1, so it is rescaled here.
     // defer_o = std::true_type (kIntraWgOverlap, while this warpgroup's P_{j-1} V_{j-1} is in flight): acc_o and p,
     // which that wgmma reads, are left alone; P_j stays in s and O's factors in `correction` until rescale_o_pack_p
-    // after the wait, which also exponentiates S_j's tiles from kExpTilesBeforeWait on (kRescaleBeforePv: the
+    // after the wait, which also exponentiates S_j's tiles from fwd_exp_tiles_before_wait on (kRescaleBeforePv: the
     // factors wait for the next turn, which applies them before it issues its P V).
     // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
     int local_len_k = 0, local_co = 0;
@@ -343,18 +386,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr int kRescaleThreshold = fwd_rescale_threshold(Traits::kHeadDim, kIsCausal || kVarlenOrLocal);
     constexpr bool kLazyRescale = kRescaleThreshold > 0;
     bool rescale_o = true;
-    // defer_o: S_j's n8 tiles [0, kExpTilesBeforeWait) are exponentiated before the wait for P_{j-1} V_{j-1}, the
-    // rest by rescale_o_pack_p after it (hopper_kernel_traits.h, FLASH_FWD_EXP_SPLIT).
-    constexpr int kExpTilesBeforeWait = Traits::kExpTilesBeforeWait;
+    // defer_o: S_j's first fwd_exp_tiles_before_wait n8 tiles are exponentiated before the wait for P_{j-1} V_{j-1},
+    // the rest by rescale_o_pack_p after it (hopper_kernel_traits.h, FLASH_FWD_EXP_SPLIT).
     // The accumulators of S columns 16kk..16kk+15 are the register A operand of k-step kk: four 8x8 matrices (rows
     // 0-7 and 8-15 of the warp's 16, keys 0-7, then the same rows, keys 8-15). kPSmem: one stmatrix per k-step writes
     // them to the warp's rows of sP_wg instead (stmatrix_k_step). Each warp's part of the P V wgmma reads only its
     // own 16 rows of P, so the warp's own sync publishes them, after the fence that shows the async proxy its writes
     // (FA3's order).
-    auto pack_p = [&] {
+    auto pack_p = [&](auto ntiles) {
+        constexpr int kKSteps = decltype(ntiles)::value / 2;
         if constexpr (kPSmem) {
 #pragma unroll
-            for (int kk = 0; kk < kKStepsN; ++kk) {
+            for (int kk = 0; kk < kKSteps; ++kk) {
                 uint32_t frag[4];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) frag[r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
@@ -364,7 +407,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             __syncwarp();
         } else {
 #pragma unroll
-            for (int kk = 0; kk < kKStepsN; ++kk) {
+            for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r) p[kk][r] = pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
             }
@@ -399,8 +442,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // rescales O with them before it issues the P V that adds P_{j-1} V_{j-1}.
     constexpr bool kRescaleBeforePv = Traits::kIntraWgOverlap && !kLazyRescale &&
                                       fwd_rescale_before_pv(kVDim, kBlockN, kIsCausal || kVarlenOrLocal);
-    auto softmax = [&](int n_block, int row0, auto defer_o) {
+    auto softmax = [&](int n_block, int row0, auto defer_o, auto ntiles) {
         constexpr bool kDeferO = decltype(defer_o)::value;
+        constexpr int kTiles = decltype(ntiles)::value;
         bool moved[2] = {true, true};  // kLazyRescale: whether row r's m_i moved
         const int key0 = n_block * kBlockN;
         if constexpr (kVarlenOrLocal) {
@@ -414,7 +458,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                     const int hi = key_hi(w, local_co, local_len_k, row) - key0 - 2 * t;
                     const int lo = key_lo(w, local_co, row) - key0 - 2 * t;
 #pragma unroll
-                    for (int i = 0; i < kNTilesN; ++i) {
+                    for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             if (i * kMmaN + e >= hi || i * kMmaN + e < lo) s[4 * i + 2 * r + e] = -INFINITY;
@@ -432,7 +476,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 const int end = kIsCausal ? min(seqlen_k, row + causal_offset + 1) : seqlen_k;
                 const int limit = end - key0 - 2 * t;
 #pragma unroll
-                for (int i = 0; i < kNTilesN; ++i) {
+                for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         if (i * kMmaN + e >= limit) s[4 * i + 2 * r + e] = -INFINITY;
@@ -442,19 +486,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // r = 0: row my_row, r = 1: row my_row + 8
-            constexpr int kChains = Traits::kRowMaxChains;
+            constexpr int kChains = Traits::kRowMaxChains < kTiles ? Traits::kRowMaxChains : kTiles;
             float mx = m_i[r];
             if constexpr (kChains == 1) {
 #pragma unroll
-                for (int i = 0; i < kNTilesN; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+                for (int i = 0; i < kTiles; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
             } else {
                 // kChains independent chains, each through every kChains-th n8 tile, then a tree: the longest fmaxf
-                // dependency is about kNTilesN / kChains deep instead of kNTilesN.
+                // dependency is about kTiles / kChains deep instead of kTiles.
                 float part[kChains];
 #pragma unroll
                 for (int c = 0; c < kChains; ++c) part[c] = fmaxf(s[4 * c + 2 * r], s[4 * c + 2 * r + 1]);
 #pragma unroll
-                for (int i = kChains; i < kNTilesN; ++i) {
+                for (int i = kChains; i < kTiles; ++i) {
                     part[i % kChains] = fmaxf(part[i % kChains], fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
                 }
 #pragma unroll
@@ -481,31 +525,47 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             } else {
                 scale_o(r, row_correction);
             }
-            exponentiate(r, max_scaled, 0, kDeferO ? kExpTilesBeforeWait : kNTilesN);
+            exponentiate(r, max_scaled, 0, kDeferO ? fwd_exp_tiles_before_wait(kHeadDim, kTiles) : kTiles);
         }
         if constexpr (kLazyRescale) rescale_o = __any_sync(0xffffffffu, moved[0] || moved[1]);
         if constexpr (kLazyRescale && !kDeferO) {
             if (rescale_o) scale_o_by_correction();
         }
-        if constexpr (!kDeferO) pack_p();
+        if constexpr (!kDeferO) pack_p(ntiles);
     };
     // The rest of a deferred softmax, once this warpgroup's P_{j-1} V_{j-1} completed: the exponentials of S_j's last
     // tiles and their l_i, O's rescale, P_j's packing (one basic block, which ptxas interleaves). kLazyRescale: two
     // such blocks, with and without the rescale, chosen by the warp's vote.
-    auto finish_softmax = [&](auto with_rescale) {
+    auto finish_softmax = [&](auto with_rescale, auto ntiles) {
+        constexpr int kTiles = decltype(ntiles)::value;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            exponentiate(r, row_max_scaled[r], kExpTilesBeforeWait, kNTilesN);
+            exponentiate(r, row_max_scaled[r], fwd_exp_tiles_before_wait(kHeadDim, kTiles), kTiles);
             if constexpr (decltype(with_rescale)::value) scale_o(r, correction[r]);
         }
-        pack_p();
+        pack_p(ntiles);
     };
-    auto rescale_o_pack_p = [&] {
+    auto rescale_o_pack_p = [&](auto ntiles) {
         if (!kRescaleBeforePv && rescale_o) {  // rescale_o: always, without kLazyRescale
-            finish_softmax(std::true_type{});
+            finish_softmax(std::true_type{}, ntiles);
         } else {
-            finish_softmax(std::false_type{});
+            finish_softmax(std::false_type{}, ntiles);
         }
+    };
+    // FLASH_FWD_NARROW_LAST_BLOCK: the n8 tiles of S in key block n_last (the tile's last) up to the last key that
+    // some row of the tile (first row row0) sees, in whole 64-key steps; kNTilesN where that is all of them, or off.
+    constexpr bool kNarrowLastBlock = fwd_narrow_last_block(kBlockN, kIsCausal || kVarlenOrLocal);
+    auto last_block_tiles = [&](int row0, int n_last) {
+        if constexpr (!kNarrowLastBlock) return kNTilesN;
+        // One past the last key the tile's last row sees (the rows' bounds do not fall with the row).
+        int end;
+        if constexpr (kVarlenOrLocal) {
+            end = key_hi(tiles.window, local_co, local_len_k, row0 + kBlockM - 1);
+        } else {
+            end = kIsCausal ? min(seqlen_k, row0 + kBlockM + causal_offset) : seqlen_k;
+        }
+        constexpr int kStepKeys = kFwdNarrowStepTiles * kMmaN;
+        return min(kNTilesN, ceil_div(end - n_last * kBlockN, kStepKeys) * kFwdNarrowStepTiles);
     };
     // A K, V or Q stage is free for the producer once this thread's (warp's) wgmmas that read it completed.
     auto release = [&](uint32_t empty) {
@@ -560,24 +620,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         l_i[0] = l_i[1] = 0.f;
         correction[0] = correction[1] = 1.f;  // turn 0's softmax scales O itself
 
-        // Turn 0: S_0. (TMA writes and wgmma reads are both async-proxy accesses: no proxy fence.)
+        // FLASH_FWD_NARROW_LAST_BLOCK: the n8 tiles of S that the last key block's turns compute (kNTilesN: all).
+        const int last_tiles = last_block_tiles(row0, n_min + n_block_max - 1);
+
+        // Turn 0: S_0, over the whole block also where it is the last one: with a narrowed copy of this turn, ptxas
+        // schedules the main loop with 19 more instructions (uniform moves for its wgmma descriptors). P_0 is zero
+        // past the keys a narrowed last P V reads. (TMA writes and wgmma reads are both async-proxy accesses: no
+        // proxy fence.)
         mbarrier_wait(full_q, tile_iter & 1);
         mbarrier_wait(full_k(stage_of(0)), phase_of(0));
         named_barrier_sync(my_turn, kTurnBarThreads);
         wgmma_fence();
-        issue_s(stage_of(0));
+        issue_s(stage_of(0), s);
         wgmma_commit();
         named_barrier_arrive(next_turn, kTurnBarThreads);
         wgmma_wait<0>();
         pin_registers(s);
         release(empty_k(stage_of(0)));
         if (n_block_max == 1) release(empty_q);
-        softmax(n_min, row0, std::false_type{});
+        softmax(n_min, row0, std::false_type{}, all_tiles);
         // kIntraWgOverlap: the turn that computes S_j waits, at its end, for the V_j that the next turn's P V reads.
         if constexpr (Traits::kIntraWgOverlap) mbarrier_wait(full_v(stage_of(0)), phase_of(0));
 
         // Turn j: O += P_{j-1} V_{j-1} and S_j, then the softmax of S_j while the other warpgroup's turn runs.
-        for (int n_block = 1; n_block < n_block_max; ++n_block) {
+        auto turn = [&](int n_block, auto ntiles) {
+            float s_narrow[decltype(ntiles)() < kNTilesN ? 4 * decltype(ntiles)() : 1];
             const int stage = stage_of(n_block), prev = stage_of(n_block - 1);
             if constexpr (!Traits::kIntraWgOverlap) mbarrier_wait(full_v(prev), phase_of(n_block - 1));
             mbarrier_wait(full_k(stage), phase_of(n_block));
@@ -585,25 +652,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
             wgmma_fence();
             if constexpr (Traits::kIntraWgOverlap) {
                 // S_j first, as its own group, so that wait<1> returns with the P V still in flight.
-                issue_s(stage);
+                issue_s_into(stage, ntiles, s_narrow);
                 wgmma_commit();
                 if constexpr (kRescaleBeforePv) {
                     scale_o_by_correction();
                     wgmma_fence();  // acc_o's writes before the P V that accumulates into it
                 }
-                issue_pv(prev);
+                issue_pv(prev, all_tiles);
                 wgmma_commit();
                 named_barrier_arrive(next_turn, kTurnBarThreads);
                 wgmma_wait<1>();
+                land_s(ntiles, s_narrow);
                 pin_registers(s);
                 release(empty_k(stage));
                 if (n_block == n_block_max - 1) release(empty_q);
-                softmax(n_min + n_block, row0, std::true_type{});
-                // The first kExpTilesBeforeWait tiles' exponentials and l_i stay before the wait for the P V (they
-                // are the overlap), O's rescale and the writes of p after it (that wgmma reads acc_o and p until it
-                // completes). The pins order them for nvcc's optimizer; for ptxas, the wait for V_j between them (a
-                // loop) ends a basic block: its scheduler hoists a wgmma wait (WARPGROUP.DEPBAR) to the top of its
-                // block, above the exponentials there.
+                softmax(n_min + n_block, row0, std::true_type{}, ntiles);
+                // The exponentials of S_j's first tiles and their l_i (fwd_exp_tiles_before_wait) stay before the wait
+                // for the P V (they are the overlap), O's rescale and the writes of p after it (that wgmma reads acc_o
+                // and p until it completes). The pins order them for nvcc's optimizer; for ptxas, the wait for V_j
+                // between them (a loop) ends a basic block: its scheduler hoists a wgmma wait (WARPGROUP.DEPBAR) to
+                // the top of its block, above the exponentials there.
                 pin_registers(s);
                 pin_registers(l_i);
                 pin_registers(correction);
@@ -613,20 +681,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                 if constexpr (!kPSmem) pin_registers(p);
                 pin_registers(s);
                 release(empty_v(prev));
-                rescale_o_pack_p();
+                rescale_o_pack_p(ntiles);
             } else {
-                issue_pv(prev);
-                issue_s(stage);
+                issue_pv(prev, all_tiles);
+                issue_s_into(stage, ntiles, s_narrow);
                 wgmma_commit();
                 named_barrier_arrive(next_turn, kTurnBarThreads);
                 wgmma_wait<0>();
+                land_s(ntiles, s_narrow);
                 pin_registers(acc_o);
                 pin_registers(s);
                 release(empty_v(prev));
                 release(empty_k(stage));
                 if (n_block == n_block_max - 1) release(empty_q);
-                softmax(n_min + n_block, row0, std::false_type{});
+                softmax(n_min + n_block, row0, std::false_type{}, ntiles);
             }
+        };
+        // A narrowed last block takes its own copy of the turn, after the loop.
+        const bool narrow_last = n_block_max > 1 && last_tiles < kNTilesN;
+        for (int n_block = 1; n_block < n_block_max - narrow_last; ++n_block) turn(n_block, all_tiles);
+        if (narrow_last) {
+            with_s_tiles<kNTilesN, false>(last_tiles, [&](auto ntiles) { turn(n_block_max - 1, ntiles); });
         }
 
         // Last turn: O += P_last V_last. The producer has published the next tile a turn or more ago and is loading
@@ -636,13 +711,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         if constexpr (!Traits::kIntraWgOverlap) mbarrier_wait(full_v(last), phase_of(n_block_max - 1));
         named_barrier_sync(my_turn, kTurnBarThreads);
         if constexpr (kRescaleBeforePv) scale_o_by_correction();
-        wgmma_fence();
-        issue_pv(last);
-        wgmma_commit();
-        const LocalTile next = read_tile(tile_iter + 1);
-        const bool more = next.tile < tiles.num_tiles;
-        if (wg < kNWarpgroups - 1 || more) named_barrier_arrive(next_turn, kTurnBarThreads);
-        wgmma_wait<0>();
+        // Each width's copy runs from the issue to the wait: ptxas serializes wgmmas whose paths merge in flight.
+        LocalTile next;
+        bool more;
+        with_s_tiles<kNTilesN>(last_tiles, [&](auto ntiles) {
+            wgmma_fence();
+            issue_pv(last, ntiles);
+            wgmma_commit();
+            next = read_tile(tile_iter + 1);
+            more = next.tile < tiles.num_tiles;
+            if (wg < kNWarpgroups - 1 || more) named_barrier_arrive(next_turn, kTurnBarThreads);
+            wgmma_wait<0>();
+        });
         pin_registers(acc_o);
         release(empty_v(last));
 

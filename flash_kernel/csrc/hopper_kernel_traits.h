@@ -32,6 +32,38 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 constexpr int kFwdExpSplitPct = FLASH_FWD_EXP_SPLIT;
 static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPLIT is a percentage");
 
+// FLASH_FWD_NARROW_LAST_BLOCK (docs/kernel_design.md, "Build switches"; docs/results.md, section 53): a tile's last
+// key block runs its S = Q K^T, softmax and O += P V only over the keys up to the last one that some row of the tile
+// sees, in whole 64-key steps (an n64 or n128 wgmma instead of n192 where 1-64 or 65-128 of a 192-key block's keys
+// are visible), instead of over the whole block with the rest masked. At T = 4096 on 192-key blocks the last of 22
+// blocks holds 64 keys: a third of a turn's work instead of a whole turn; causal tiles' diagonal blocks narrow the
+// same way. 0: off; 1: every Hopper forward kernel; -1 (the default): the masked kernels (causal, varlen, windowed)
+// and the dense non-causal ones on 144- or 192-key blocks, where T a multiple of 128 leaves a partial last block
+// (from 2k keys, non-causal 1.01-1.04 x at hd80 and 0.99-1.03 x at hd128, causal 0.98-1.03 x); not the dense
+// non-causal ones on 128-key blocks, which such T fills (0.99-1.00 x at 1k keys: the extra code moves ptxas's
+// schedule of their main loop).
+#ifndef FLASH_FWD_NARROW_LAST_BLOCK
+#define FLASH_FWD_NARROW_LAST_BLOCK -1
+#endif
+constexpr int kFwdNarrowLastBlock = FLASH_FWD_NARROW_LAST_BLOCK;
+static_assert(kFwdNarrowLastBlock >= -1 && kFwdNarrowLastBlock <= 1,
+              "FLASH_FWD_NARROW_LAST_BLOCK: -1 (by kernel), 0 (off) or 1 (on)");
+// Whether a forward kernel on kBlockN-key blocks narrows its tiles' last block; masked: causal, or the varlen / local
+// kernel.
+constexpr bool fwd_narrow_last_block(int block_n, bool masked) {
+    if (kFwdNarrowLastBlock >= 0) return kFwdNarrowLastBlock == 1;
+    return masked || block_n % 128 != 0;
+}
+// The narrowest step of a narrowed last block: S's n8 tiles in 64 keys.
+constexpr int kFwdNarrowStepTiles = 8;
+
+// kIntraWgOverlap: of a turn's `tiles` n8 column tiles of S_j, those whose exponentials run before the wait for
+// P_{j-1} V_{j-1}, whole k16 steps (FLASH_FWD_EXP_SPLIT). Head dims up to 64 (three warpgroups on 128-key blocks) run
+// them all before: split there, the forward timed 0.97-1.00 x, 0.99 x over six cells (docs/results.md, section 32).
+constexpr int fwd_exp_tiles_before_wait(int head_dim, int tiles) {
+    return head_dim <= 64 ? tiles : tiles * kFwdExpSplitPct / 100 / 2 * 2;
+}
+
 // FLASH_FWD_RESCALE_BEFORE_PV (docs/kernel_design.md, "Build switches"): under the intra-warpgroup overlap, O's
 // rescale by the factors of S_{j-1}'s softmax runs at turn j between the issue of S_j and that of P_{j-1} V_{j-1},
 // while S_j is on the tensor cores (FA3's RescaleOBeforeGemm), instead of after the wait for that P V, on the
@@ -132,11 +164,6 @@ struct HopperFwdTraits {
     // kPSmem: P_{j-1} is in shared memory, not registers.
     static constexpr int kOverlapLiveRegs = kVDim / 2 + kBlockN / 2 + (kPSmem ? 0 : kBlockN / 4);
     static constexpr int kOverlapOtherRegs = 32;
-    // kIntraWgOverlap: the n8 column tiles of S_j whose exponentials run before the wait for P_{j-1} V_{j-1}, whole
-    // k16 steps (FLASH_FWD_EXP_SPLIT). Head dims up to 64 (three warpgroups on 128-key blocks) run them all before:
-    // split there, the forward timed 0.97-1.00 x, 0.99 x over six cells (docs/results.md, section 32).
-    static constexpr int kExpTilesBeforeWait =
-        kHeadDim <= 64 ? kBlockN / kMmaN : kBlockN / kMmaN * kFwdExpSplitPct / 100 / 2 * 2;
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * static_cast<int>(sizeof(Element));
     // A K or V stage: the tile's bytes rounded up to whole swizzle atoms (a 144-key tile 80 columns wide is 22.5 KiB),
     // so that every stage starts 1024-aligned.
@@ -255,8 +282,11 @@ struct HopperFwdTraits {
 // whole one, so the 192-key blocks run where ceil(T / 192) (192 + 24) < ceil(T / 128) (128 + 24)
 // (bench/turn_model.py): of the multiples of 128 keys, all but 128, 256, 512, 640, 896, 1024, 1408, 1792 and 2176,
 // and every length above 2176. At hd128 and hd80 this picks the faster tile, or one within 1.5% of it, at each of the
-// 41 lengths timed from 512 to 8192 keys (docs/results.md, sections 38 and 39). A large value runs the wider blocks
-// wherever they take fewer turns (129-192 keys and from 257).
+// 41 lengths timed from 512 to 8192 keys (docs/results.md, sections 38 and 39). The model counts a partial last block
+// whole, also where FLASH_FWD_NARROW_LAST_BLOCK narrows the 192-key blocks' last one: against 192-key blocks at every
+// such length, its choice of 128-key blocks ran 1.01-1.04 x at 512 and 1024 keys and 0.97-0.99 x at 1792 and 2176
+// (docs/results.md, section 53). A large value runs the wider blocks wherever they take fewer turns (129-192 keys and
+// from 257).
 #ifndef FLASH_FWD_TURN_KEYS
 #define FLASH_FWD_TURN_KEYS 24
 #endif

@@ -251,6 +251,18 @@ def test_persistent_forward_many_tiles(D, causal, seqlen_q, seqlen_k):
     run_case(2, seqlen_q, seqlen_k, 40, 8, D, torch.bfloat16, causal)
 
 
+# A tile's last key block runs S, its softmax and P V only over its keys up to the last one some row of the tile sees,
+# in 64-key steps (FLASH_FWD_NARROW_LAST_BLOCK, hopper_kernel_traits.h): Tk here leaves 1, 64, 65, 128 and 129 keys in
+# the last of 22 192-key blocks (the narrow steps' edges; 129 runs the whole block), which non-causal hd80 and hd128
+# calls run; causal, every query tile's diagonal block narrows by where its last row falls (Tq < Tk: the last rows
+# see every key), on 192-key blocks at hd128, 144 at hd80 and 128 at hd64 and hd96.
+@pytest.mark.parametrize("seqlen_k", [4033, 4096, 4097, 4160, 4161])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 80, 96, 128])
+def test_forward_narrowed_last_key_block(D, causal, seqlen_k):
+    run_case(1, 333, seqlen_k, 4, 2, D, torch.bfloat16, causal)
+
+
 def run_block_order_cases(D, group, tq_over_tk=False):
     """The causal block-order tests' cases: groups of 4 over 3 x 4 (batch, head) pairs (whole), any other over 2 x 5
     (groups of 3: the last one short), with Tq = Tk, Tq < Tk and, with tq_over_tk, Tq > Tk."""
