@@ -136,6 +136,8 @@ def test_the_causal_hd80_tile_takes_q_and_k_80_wide_and_v_96_wide(device_ptx):
 
 
 UNMASKED = "EEELb0ELb0EEEv"  # a forward kernel's mangled template tail: neither causal nor varlen / local
+HD128_BC192 = "HopperFwdTraitsILi128ELi192ELi2E"  # hd128's forward tile on 192-key blocks, in a mangled name
+HD128_BC128 = "HopperFwdTraitsILi128ELi128ELi3E"  # and on 128-key blocks
 
 
 def _name(kernel: str) -> str:
@@ -169,7 +171,7 @@ def test_the_exponential_split_moves_half_of_them_after_the_wait_for_p_v(device_
     S_j's 24 n8 tiles x 2 columns = 48 elements after the wait for its own P V at 50%, none at 100 (the first turn,
     which waits for S_0 alone, exponentiates all 96 after its wait either way); hd64's three warpgroups keep all
     before it at any setting."""
-    tile = ("HopperFwdTraitsILi128ELi192ELi2E", UNMASKED)  # the 192-key tile
+    tile = (HD128_BC192, UNMASKED)
     half, whole = device_ptx.each("flash_fwd_hdim128_bf16.cu", *([f"FLASH_FWD_EXP_SPLIT={pct}"] for pct in (50, 100)))
     assert 48 in _exponentials_after_a_wait(half, *tile) and 96 + 2 in _exponentials_after_a_wait(half, *tile)
     assert max(_exponentials_after_a_wait(whole, *tile)[1:]) == 0
@@ -211,7 +213,7 @@ def test_o_is_rescaled_before_p_v_where_the_switch_says(device_ptx):
         assert max(_o_multiplies_before_p_v(kernel)) == 0, _name(kernel)
     for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
         before = 64 in _o_multiplies_before_p_v(kernel)
-        assert before == ("HopperFwdTraitsILi128ELi192ELi2E" in _name(kernel) and UNMASKED in _name(kernel)), _name(kernel)
+        assert before == (HD128_BC192 in _name(kernel) and UNMASKED in _name(kernel)), _name(kernel)
     assert device_ptx(source, []) == default, "FLASH_FWD_RESCALE_BEFORE_PV's default is not -1"
 
 
@@ -229,14 +231,14 @@ def test_the_last_key_block_narrows_where_the_switch_says(device_ptx):
     off, on, default = device_ptx.each(source, *([f"FLASH_FWD_NARROW_LAST_BLOCK={v}"] for v in (0, 1, -1)))
     assert len(_kernels(on, "flash_fwd_hopper_kernel")) == 6  # two tiles x (non-causal, causal, varlen / local)
     for kernel in _kernels(on, "flash_fwd_hopper_kernel"):
-        wide = "HopperFwdTraitsILi128ELi192ELi2E" in _name(kernel)
+        wide = HD128_BC192 in _name(kernel)
         expected = {"m64n192k16", "m64n64k16", "m64n128k16"} if wide else {"m64n128k16", "m64n64k16"}
         assert _s_wgmma_shapes(kernel) == expected, _name(kernel)
     for kernel in _kernels(off, "flash_fwd_hopper_kernel"):
-        wide = "HopperFwdTraitsILi128ELi192ELi2E" in _name(kernel)
+        wide = HD128_BC192 in _name(kernel)
         assert _s_wgmma_shapes(kernel) == {"m64n192k16" if wide else "m64n128k16"}, _name(kernel)
     for kernel in _kernels(default, "flash_fwd_hopper_kernel"):
-        filled = "HopperFwdTraitsILi128ELi128ELi3E" in _name(kernel) and UNMASKED in _name(kernel)
+        filled = HD128_BC128 in _name(kernel) and UNMASKED in _name(kernel)
         assert ("m64n64k16" in _s_wgmma_shapes(kernel)) != filled, _name(kernel)
     assert device_ptx(source, []) == default, "FLASH_FWD_NARROW_LAST_BLOCK's default is not -1"
 

@@ -62,20 +62,16 @@ constexpr int kTurnBarThreads = 2 * kWarpgroupThreads;
 
 // Calls f with std::integral_constant<int, n>: the fewest n8 column tiles of S, whole kFwdNarrowStepTiles steps below
 // kNTiles or all kNTiles, that hold `tiles` of them (FLASH_FWD_NARROW_LAST_BLOCK: the n8 tiles a narrowed key block
-// computes). kWithAll = false: the caller knows that a narrower step holds them, and all kNTiles is not compiled.
-template <int kNTiles, bool kWithAll = true, typename F>
+// computes), trying the steps from kStep up. kWithAll = false: the caller knows that a narrower step holds them, and
+// all kNTiles is not compiled.
+template <int kNTiles, bool kWithAll = true, int kStep = kFwdNarrowStepTiles, typename F>
 __device__ __forceinline__ void with_s_tiles(int tiles, F&& f) {
-    static_assert(kNTiles <= 4 * kFwdNarrowStepTiles, "key blocks of up to 256 keys: steps of 64, 128 and 192");
-    if constexpr (kNTiles > kFwdNarrowStepTiles) {
-        if (tiles <= kFwdNarrowStepTiles) return f(std::integral_constant<int, kFwdNarrowStepTiles>{});
+    if constexpr (kStep < kNTiles) {
+        if (tiles <= kStep) return f(std::integral_constant<int, kStep>{});
+        with_s_tiles<kNTiles, kWithAll, kStep + kFwdNarrowStepTiles>(tiles, f);
+    } else if constexpr (kWithAll) {
+        f(std::integral_constant<int, kNTiles>{});
     }
-    if constexpr (kNTiles > 2 * kFwdNarrowStepTiles) {
-        if (tiles <= 2 * kFwdNarrowStepTiles) return f(std::integral_constant<int, 2 * kFwdNarrowStepTiles>{});
-    }
-    if constexpr (kNTiles > 3 * kFwdNarrowStepTiles) {
-        if (tiles <= 3 * kFwdNarrowStepTiles) return f(std::integral_constant<int, 3 * kFwdNarrowStepTiles>{});
-    }
-    if constexpr (kWithAll) f(std::integral_constant<int, kNTiles>{});
 }
 
 // kVarlenOrLocal: the varlen / sliding-window kernel (kIsCausal false; causal is its window's right bound).

@@ -32,6 +32,11 @@ constexpr int kMaxFwdWarpgroups = 3;             // the forward's turn barriers 
 constexpr int kFwdExpSplitPct = FLASH_FWD_EXP_SPLIT;
 static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPLIT is a percentage");
 
+// A switch read as -1 (by kernel), 0 (off) or 1 (on in every kernel it reaches): whether it is on in a kernel whose
+// own rule (the switch's default) says by_kernel.
+constexpr bool fwd_switch_valid(int setting) { return setting >= -1 && setting <= 1; }
+constexpr bool fwd_switch_on(int setting, bool by_kernel) { return setting >= 0 ? setting == 1 : by_kernel; }
+
 // FLASH_FWD_NARROW_LAST_BLOCK (docs/kernel_design.md, "Build switches"; docs/results.md, section 53): a tile's last
 // key block runs its S = Q K^T, softmax and O += P V only over the keys up to the last one that some row of the tile
 // sees, in whole 64-key steps (an n64 or n128 wgmma instead of n192 where 1-64 or 65-128 of a 192-key block's keys
@@ -46,13 +51,11 @@ static_assert(kFwdExpSplitPct >= 0 && kFwdExpSplitPct <= 100, "FLASH_FWD_EXP_SPL
 #define FLASH_FWD_NARROW_LAST_BLOCK -1
 #endif
 constexpr int kFwdNarrowLastBlock = FLASH_FWD_NARROW_LAST_BLOCK;
-static_assert(kFwdNarrowLastBlock >= -1 && kFwdNarrowLastBlock <= 1,
-              "FLASH_FWD_NARROW_LAST_BLOCK: -1 (by kernel), 0 (off) or 1 (on)");
+static_assert(fwd_switch_valid(kFwdNarrowLastBlock), "FLASH_FWD_NARROW_LAST_BLOCK: -1 (by kernel), 0 (off) or 1 (on)");
 // Whether a forward kernel on kBlockN-key blocks narrows its tiles' last block; masked: causal, or the varlen / local
 // kernel.
 constexpr bool fwd_narrow_last_block(int block_n, bool masked) {
-    if (kFwdNarrowLastBlock >= 0) return kFwdNarrowLastBlock == 1;
-    return masked || block_n % 128 != 0;
+    return fwd_switch_on(kFwdNarrowLastBlock, masked || block_n % 128 != 0);
 }
 // The narrowest step of a narrowed last block: S's n8 tiles in 64 keys.
 constexpr int kFwdNarrowStepTiles = 8;
@@ -75,14 +78,12 @@ constexpr int fwd_exp_tiles_before_wait(int head_dim, int tiles) {
 #define FLASH_FWD_RESCALE_BEFORE_PV -1
 #endif
 constexpr int kFwdRescaleBeforePv = FLASH_FWD_RESCALE_BEFORE_PV;
-static_assert(kFwdRescaleBeforePv >= -1 && kFwdRescaleBeforePv <= 1,
-              "FLASH_FWD_RESCALE_BEFORE_PV: -1 (by kernel), 0 (off) or 1 (on)");
+static_assert(fwd_switch_valid(kFwdRescaleBeforePv), "FLASH_FWD_RESCALE_BEFORE_PV: -1 (by kernel), 0 (off) or 1 (on)");
 
 // Whether an overlap kernel without a rescale threshold rescales O before its P V is issued: O kVDim columns wide,
 // on kBlockN-key blocks; masked: causal, or the varlen / local kernel.
 constexpr bool fwd_rescale_before_pv(int v_dim, int block_n, bool masked) {
-    if (kFwdRescaleBeforePv >= 0) return kFwdRescaleBeforePv == 1;
-    return v_dim == 128 && block_n == 192 && !masked;
+    return fwd_switch_on(kFwdRescaleBeforePv, v_dim == 128 && block_n == 192 && !masked);
 }
 
 // FLASH_FWD_RESCALE_THRESHOLD (powers of two; docs/kernel_design.md, "Build switches"): the online softmax keeps a
