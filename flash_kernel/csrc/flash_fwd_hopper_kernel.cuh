@@ -375,6 +375,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // factors wait for the next turn, which applies them before it issues its P V).
     // kVarlenOrLocal: the current tile's sequence, whose bounds and window the mask applies.
     int local_len_k = 0, local_co = 0;
+    // One past the last key that query `row` of the current tile's sequence sees: the dense mask's bound and the
+    // narrowed last block's (the varlen mask takes key_hi beside key_lo).
+    auto key_end = [&](int row) {
+        if constexpr (kVarlenOrLocal) return key_hi(tiles.window, local_co, local_len_k, row);
+        return kIsCausal ? min(seqlen_k, row + causal_offset + 1) : seqlen_k;
+    };
     float correction[2] = {1.f, 1.f};
     float row_max_scaled[2];  // defer_o: each row's m_i * scale_log2, for the exponentials after the wait
     // kRescaleThreshold > 0 (hopper_kernel_traits.h, FLASH_FWD_RESCALE_THRESHOLD): whether the warp's last softmax
@@ -469,8 +475,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = row0 + my_row + 8 * r;
-                const int end = kIsCausal ? min(seqlen_k, row + causal_offset + 1) : seqlen_k;
-                const int limit = end - key0 - 2 * t;
+                const int limit = key_end(row) - key0 - 2 * t;
 #pragma unroll
                 for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
@@ -553,15 +558,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     constexpr bool kNarrowLastBlock = fwd_narrow_last_block(kBlockN, kIsCausal || kVarlenOrLocal);
     auto last_block_tiles = [&](int row0, int n_last) {
         if constexpr (!kNarrowLastBlock) return kNTilesN;
-        // One past the last key the tile's last row sees (the rows' bounds do not fall with the row).
-        int end;
-        if constexpr (kVarlenOrLocal) {
-            end = key_hi(tiles.window, local_co, local_len_k, row0 + kBlockM - 1);
-        } else {
-            end = kIsCausal ? min(seqlen_k, row0 + kBlockM + causal_offset) : seqlen_k;
-        }
+        // The tile's last row sees the furthest key (the rows' bounds do not fall with the row).
         constexpr int kStepKeys = kFwdNarrowStepTiles * kMmaN;
-        return min(kNTilesN, ceil_div(end - n_last * kBlockN, kStepKeys) * kFwdNarrowStepTiles);
+        const int keys = key_end(row0 + kBlockM - 1) - n_last * kBlockN;
+        return min(kNTilesN, ceil_div(keys, kStepKeys) * kFwdNarrowStepTiles);
     };
     // A K, V or Q stage is free for the producer once this thread's (warp's) wgmmas that read it completed.
     auto release = [&](uint32_t empty) {
