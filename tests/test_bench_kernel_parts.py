@@ -1,0 +1,85 @@
+"""bench/kernel_parts.py: kernel names, per-call times, medians over rounds, the table; one case on a GPU."""
+
+import json
+
+import pytest
+import torch
+
+from bench import kernel_parts as kp
+
+
+@pytest.mark.parametrize("raw, name", [
+    ("void flash::bwd_convert_dq_kernel<__nv_bfloat16, 128, true, false>(flash::BwdParams)",
+     "flash::bwd_convert_dq_kernel"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+     "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)", "at::native::vectorized_elementwise_kernel"),
+    ("void flash::f<(flash::Order)0>(int)", "flash::f"),
+    ("Memset (Device)", "Memset"),
+    ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90_0", "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90_0"),
+])
+def test_kernel_names_lose_return_type_templates_and_parameters(raw, name):
+    assert kp.kernel_name(raw) == name
+
+
+def test_per_call_divides_by_the_calls_and_adds_instantiations():
+    kernels = [("void flash::fwd<1>(P)", 30.0), ("void flash::bwd<2>(P)", 100.0), ("void flash::fwd<2>(P)", 10.0),
+               ("Memset (Device)", 4.0)]
+    out = kp.per_call(kernels, calls=2)
+    assert list(out) == ["flash::fwd", "flash::bwd", "Memset", kp.TOTAL]
+    assert out == {"flash::fwd": 20.0, "flash::bwd": 50.0, "Memset": 2.0, kp.TOTAL: 72.0}
+
+
+def test_medians_take_each_kernel_over_the_rounds_and_a_missing_one_as_zero():
+    rounds = [{"a": 1.0, "b": 5.0, kp.TOTAL: 6.0}, {"a": 3.0, kp.TOTAL: 3.0}, {"a": 2.0, "b": 7.0, kp.TOTAL: 9.0}]
+    assert kp.medians(rounds) == {"a": 2.0, "b": 5.0, kp.TOTAL: 6.0}
+
+
+def test_table_has_a_row_per_kernel_a_column_per_method_and_the_total_last():
+    table = kp.format_case("hd=128 causal=0 T=8192 fwd_bwd", {
+        "ours": {"flash::main": 4554.1, "flash::convert": 52.5, kp.TOTAL: 4606.6},
+        "fa4": {"fa4_bwd": 4400.0, kp.TOTAL: 4400.0},
+    })
+    lines = table.splitlines()
+    assert lines[2] == "| kernel | ours | fa4 |"
+    assert lines[4:] == ["| flash::main | 4554.1 | – |", "| flash::convert | 52.5 | – |",
+                         "| fa4_bwd | – | 4400.0 |", f"| {kp.TOTAL} | 4606.6 | 4400.0 |"]
+
+
+def test_default_methods_take_the_candidate_only_when_given():
+    assert kp.parse_args([]).methods == ["ours"]
+    assert kp.parse_args(["--candidate", "/tmp/b/_C.so"]).methods == ["ours", "ours_candidate"]
+
+
+def test_bad_rounds_stop_at_the_arguments():
+    with pytest.raises(SystemExit):
+        kp.parse_args(["--rounds", "0"])
+
+
+def test_refuses_to_run_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        kp.main(["--results", str(tmp_path / "parts.json")])
+    assert not (tmp_path / "parts.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles attention kernels: needs a CUDA GPU")
+def test_a_backward_splits_into_its_kernels_on_the_gpu(tmp_path):
+    import flash_kernel
+
+    if not flash_kernel.is_available():
+        pytest.skip(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
+    path = tmp_path / "parts.json"
+    assert kp.main(["--methods", "ours", "sdpa_flash", "--hdims", "64", "--causal", "1", "--seqlens", "1024",
+                    "--rounds", "2", "--iters", "3", "--results", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    ours = {r["kernel"]: r["us_per_call"] for r in rows if r["method"] == "ours"}
+    # ours' forward + backward: the forward, the backward's preprocess, main kernel and dQ convert, each timed
+    for name in ("flash::bwd_preprocess_kernel", "flash::bwd_convert_dq_kernel"):
+        assert ours.get(name, 0) > 0, sorted(ours)
+    assert any("fwd" in k and us > 0 for k, us in ours.items()), sorted(ours)
+    parts = sum(us for k, us in ours.items() if k != kp.TOTAL)
+    assert ours[kp.TOTAL] == pytest.approx(parts)
+    sdpa = {r["kernel"]: r["us_per_call"] for r in rows if r["method"] == "sdpa_flash"}
+    assert sdpa[kp.TOTAL] > 0
