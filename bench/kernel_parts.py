@@ -81,7 +81,7 @@ def profile_calls(call, iters: int) -> list[tuple[str, float]]:
     """(name, µs) of every GPU kernel, memset and copy that `iters` calls of `call` ran."""
     from torch.profiler import ProfilerActivity, profile
 
-    # torch.profiler warns once that it keeps only the last cycle's events: this profiles one cycle per call
+    # torch.profiler warns that it keeps only the last cycle's events; each profile here is a single cycle
     warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
@@ -112,7 +112,7 @@ def run_case(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str, 
             q.grad = k.grad = v.grad = None
         calls[method] = call
     per_round: dict[str, list[dict[str, float]]] = {m: [] for m in calls}
-    for _ in range(rounds):
+    for _round in range(rounds):
         for method, call in calls.items():
             for _ in range(2):  # warm-up: the first call of a method builds its state (and compiles, for FA4)
                 call()
