@@ -58,17 +58,21 @@ def per_call(kernels: list[tuple[str, float]], calls: int) -> dict[str, float]:
     return out
 
 
+def kernel_order(tables: list[dict[str, float]]) -> list[str]:
+    """The kernels of all `tables` in first-seen order, TOTAL last."""
+    return list(dict.fromkeys(k for t in tables for k in t if k != TOTAL)) + [TOTAL]
+
+
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
     """Each kernel's median over the rounds (a round without the kernel counts 0 µs), in first-seen order."""
-    names = list(dict.fromkeys(k for r in rounds for k in r if k != TOTAL)) + [TOTAL]
-    return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in names}
+    return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in kernel_order(rounds)}
 
 
 def format_case(case: str, per_method: dict[str, dict[str, float]]) -> str:
     """A markdown table: a row per kernel (the methods' kernels in first-seen order), a column per method in µs
     per call, '–' where a method runs no such kernel."""
     methods = list(per_method)
-    names = list(dict.fromkeys(k for m in methods for k in per_method[m] if k != TOTAL)) + [TOTAL]
+    names = kernel_order(list(per_method.values()))
     lines = [f"{case}: GPU µs per call", "", "| kernel | " + " | ".join(methods) + " |",
              "|---|" + "---|" * len(methods)]
     for name in names:
@@ -81,8 +85,6 @@ def profile_calls(call, iters: int) -> list[tuple[str, float]]:
     """(name, µs) of every GPU kernel, memset and copy that `iters` calls of `call` ran."""
     from torch.profiler import ProfilerActivity, profile
 
-    # torch.profiler warns that it keeps only the last cycle's events; each profile here is a single cycle
-    warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             call()
@@ -146,6 +148,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench/kernel_parts.py: needs a CUDA GPU (torch.cuda.is_available() is False)")
     bk.use_candidate(args.candidate, args.candidate_overrides, args.methods)
+    # torch.profiler warns that it keeps only the last cycle's events; each profile here is a single cycle
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     rows = []
