@@ -42,13 +42,18 @@ namespace flash {
 
 // The two row kernels around the main one (preprocess, dQ convert): a thread block of kRowKernelThreads takes
 // kRows query rows of one (batch, head) (grid: row blocks x heads x batch, so no thread divides a flat index),
-// kRowThreads threads per row, each moving 16 bytes of the input dtype per step: the whole row in one step
-// up to head dim 256.
+// kRowThreads threads per row, each moving 16 bytes of the input dtype per step, in kSteps unrolled steps whose
+// loads are all issued before their use: one step at head dims 32, 64, 128 and 256; two at 65-96, whose 80 or 96
+// columns (10 or 12 vectors) keep all 8 threads of the first step busy (16 threads in one step would leave 6 or 4
+// of them idle).
 constexpr int kRowKernelThreads = 256;
 template <int kHeadDim>
 struct RowKernelShape {
-    static constexpr int kRowThreads = kHeadDim <= 32 ? 4 : kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
+    static constexpr int kRowThreads = kHeadDim <= 32 ? 4 : kHeadDim <= 96 ? 8 : kHeadDim <= 128 ? 16 : 32;
     static constexpr int kRows = kRowKernelThreads / kRowThreads;
+    static constexpr int kSteps = ceil_div(kHeadDim, kRowThreads * kCopyElems);  // 16-byte vectors of a row per thread
+    static constexpr int kZeroSteps = kHeadDim / (kRowThreads * 4);  // float4 zero stores per thread
+    static_assert(kHeadDim % (kRowThreads * 4) == 0, "a dq_accum row of d_rounded = kHeadDim floats in whole steps");
 };
 // A row kernel thread's place: thread `sub` of query row `q` of head bidh, batch (kVarlen: sequence) bidb. kVarlen:
 // the sequence has seqlen_q rows from packed row q_row0 (cu_seqlens_q); dense: params.seqlen_q rows, placed by the
@@ -100,7 +105,7 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
 
 // Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows zeroed here (every split), which spares a
 // separate memset of the same bytes, as does the Hopper causal kernel's tile counter. Rows are RowKernelShape's: at
-// hd128 16 threads per row, 16 rows per block.
+// hd128 16 threads per row, 16 rows per block. The zero stores go out first, while the row's loads are in flight.
 // kVarlen: rows of packed sequences (cu_seqlens_q), a row block past its sequence's end writes nothing.
 template <typename Element, int kHeadDim, bool kVarlen>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const BwdParams params) {
@@ -111,15 +116,36 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
     if (params.tile_counter != nullptr && (blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x) == 0) {
         *params.tile_counter = 0;
     }
+    if (valid) {
+        const int64_t accum_row = kVarlen ? th.accum_row(params) : th.row(params);
+        for (int split = 0; split < params.num_splits; ++split) {
+            float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row * params.d_rounded;
+#pragma unroll
+            for (int step = 0; step < Shape::kZeroSteps; ++step) {  // d_rounded is kHeadDim
+                float4* zeros = reinterpret_cast<float4*>(dst + th.sub * 4 + step * Shape::kRowThreads * 4);
+                *zeros = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+    }
     float acc = 0.f;
     if (valid) {
         const Element* dO = static_cast<const Element*>(params.do_ptr) + th.bidb * params.do_batch_stride +
                             th.q_row(params) * params.do_row_stride + th.bidh * params.do_head_stride;
         const Element* o = static_cast<const Element*>(params.o_ptr) + th.bidb * params.o_batch_stride +
                            th.q_row(params) * params.o_row_stride + th.bidh * params.o_head_stride;
-        for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
-            const uint4 a = *reinterpret_cast<const uint4*>(dO + col);
-            const uint4 b = *reinterpret_cast<const uint4*>(o + col);
+        uint4 dO_vec[Shape::kSteps], o_vec[Shape::kSteps];  // columns col(step) .. col(step) + 7, zeros past d
+#pragma unroll
+        for (int step = 0; step < Shape::kSteps; ++step) {
+            const int col = (th.sub + step * Shape::kRowThreads) * kCopyElems;
+            dO_vec[step] = o_vec[step] = make_uint4(0, 0, 0, 0);
+            if (col < params.d) {
+                dO_vec[step] = *reinterpret_cast<const uint4*>(dO + col);
+                o_vec[step] = *reinterpret_cast<const uint4*>(o + col);
+            }
+        }
+#pragma unroll
+        for (int step = 0; step < Shape::kSteps; ++step) {
+            const uint4 a = dO_vec[step], b = o_vec[step];
             const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -130,16 +156,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
     }
 #pragma unroll
     for (int offset = Shape::kRowThreads / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (!valid) return;
-    const int64_t row = th.row(params);
-    if (th.sub == 0) params.delta_ptr[row] = acc;
-    const int64_t accum_row = kVarlen ? th.accum_row(params) : row;
-    for (int split = 0; split < params.num_splits; ++split) {
-        float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row * params.d_rounded;
-        for (int col = th.sub * 4; col < params.d_rounded; col += Shape::kRowThreads * 4) {
-            *reinterpret_cast<float4*>(dst + col) = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
+    if (valid && th.sub == 0) params.delta_ptr[th.row(params)] = acc;
 }
 
 // dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides; 8
@@ -154,7 +171,10 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const
     Element* dst = static_cast<Element*>(params.dq_ptr) + th.bidb * params.dq_batch_stride +
                    th.q_row(params) * params.dq_row_stride + th.bidh * params.dq_head_stride;
     const float sc = params.scale_softmax;
-    for (int col = th.sub * kCopyElems; col < params.d; col += Shape::kRowThreads * kCopyElems) {
+#pragma unroll
+    for (int step = 0; step < Shape::kSteps; ++step) {
+        const int col = (th.sub + step * Shape::kRowThreads) * kCopyElems;
+        if (col >= params.d) break;
         const int lo_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4, th.q) : col;
         const int hi_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4 + 1, th.q) : col + 4;
         float4 lo = *reinterpret_cast<const float4*>(src + lo_col), hi = *reinterpret_cast<const float4*>(src + hi_col);
