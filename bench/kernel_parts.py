@@ -12,14 +12,16 @@ and prints each kernel's GPU time per call in a column per method, with the sum 
 --modes fwd profiles forward calls, fwd_bwd (the default) forward + backward calls, whose forward kernels are rows
 of their own. Every round profiles each method in turn (interleaved rounds, so that a drift of the GPU's clocks
 reaches every method alike), --iters calls after two warm-up calls; a kernel's time is the median over the rounds of
-its time per call. Kernels are named without their return type, template arguments and parameters; kernels that
-share a name add up (a kernel's instantiations are one row). --results writes the rows as JSON.
+its time per call. Kernels are named without their return type, template arguments and parameters, and CuTe DSL's
+(FA4's) by their class, e.g. FlashAttentionBackwardSm90; kernels that share a name add up (a kernel's instantiations
+are one row). --results writes the rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import warnings
@@ -31,11 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kernel as bk  # noqa: E402
 
 TOTAL = "all kernels"
+# CuTe DSL's kernel names: its module path and class run together, then the class object and its arguments, e.g.
+# kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__tensor0000o1110..._0
+CUTE_DSL_KERNEL = re.compile(r"^kernel_cutlass_kernel_[a-z0-9_]*?([A-Z]\w*?)_object_at_")
 
 
 def kernel_name(name: str) -> str:
     """A profiler's kernel name without its return type, template arguments and parameters:
-    `void flash::bwd_convert_dq_kernel<...>(flash::BwdParams)` -> `flash::bwd_convert_dq_kernel`."""
+    `void flash::bwd_convert_dq_kernel<...>(flash::BwdParams)` -> `flash::bwd_convert_dq_kernel`; a CuTe DSL kernel's
+    by its class (CUTE_DSL_KERNEL)."""
+    if (cute := CUTE_DSL_KERNEL.match(name)) is not None:
+        return cute.group(1)
     depth, out = 0, []
     for ch in name:
         if ch == "(" and depth == 0:  # the parameters (or a memset's or copy's "(Device)")

@@ -17,6 +17,11 @@ from bench import kernel_parts as kp
     ("Memset (Device)", "Memset"),
     ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD"),
     ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90_0", "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90_0"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__tensor0000o11101213_"
+     "tensor0000o11101213_0", "FlashAttentionBackwardSm90"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardPostprocess_object_at__"
+     "tensorptrf32gmemalign16oi64div4i64div41_tensorptrbf16gmemalign16oi64div8i64div8i64div_0",
+     "FlashAttentionBackwardPostprocess"),
 ])
 def test_kernel_names_lose_return_type_templates_and_parameters(raw, name):
     assert kp.kernel_name(raw) == name
