@@ -8,13 +8,21 @@ and prints each kernel's GPU time per call in a column per method, with the sum 
     python bench/kernel_parts.py --hdims 128 --causal 0 --seqlens 8192
     python -m flash_kernel.build --out /tmp/b && python bench/kernel_parts.py --candidate /tmp/b/_C*.so \\
         --methods ours ours_candidate --rounds 7
+    python bench/kernel_parts.py --methods ours fa4 --modes bwd --flush-l2 --seqlens 2048   # as kernel.py's bwd
 
 --modes fwd profiles forward calls, fwd_bwd (the default) forward + backward calls, whose forward kernels are rows
-of their own. Every round profiles each method in turn (interleaved rounds, so that a drift of the GPU's clocks
+of their own, and bwd backward calls alone, as bench/kernel.py times them (one forward, then backward calls that
+reuse its graph). Every round profiles each method in turn (interleaved rounds, so that a drift of the GPU's clocks
 reaches every method alike), --iters calls after two warm-up calls; a kernel's time is the median over the rounds of
 its time per call. Kernels are named without their return type, template arguments and parameters, and CuTe DSL's
 (FA4's) by their class, e.g. FlashAttentionBackwardSm90; kernels that share a name add up (a kernel's instantiations
 are one row). --results writes the rows as JSON.
+
+Below the kernels, per call: "all kernels", their sum; "first start to last end", the GPU time from the call's first
+kernel to the end of its last, which adds the idle time between its kernels; and with --flush-l2, which zeroes a
+256 MB buffer before each call as triton.testing.do_bench does between its timed calls (so every call meets the L2
+that bench/kernel.py's calls meet), "idle after the L2 flush": from the end of that zeroing to the call's first
+kernel, the GPU waiting for the host to launch it, which do_bench's time per call includes.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kernel as bk  # noqa: E402
 
 TOTAL = "all kernels"
+SPAN = "first start to last end"
+FLUSH_IDLE = "idle after the L2 flush"
+SUMMARY = (TOTAL, SPAN, FLUSH_IDLE)  # the rows below the kernels, in this order
+FLUSH_BYTES = 256 * 10**6  # triton.testing.do_bench's L2 flush buffer
 # CuTe DSL's kernel names: its module path and class run together, then the class object and its arguments, e.g.
 # kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__tensor0000o1110..._0
 CUTE_DSL_KERNEL = re.compile(r"^kernel_cutlass_kernel_[a-z0-9_]*?([A-Z]\w*?)_object_at_")
@@ -56,23 +68,57 @@ def kernel_name(name: str) -> str:
     return base.removeprefix("void ").strip() or name
 
 
-def per_call(kernels: list[tuple[str, float]], calls: int) -> dict[str, float]:
-    """[(profiler kernel name, µs)] of `calls` calls -> {kernel_name: µs per call}, first-seen order, TOTAL last."""
+Event = tuple[str, float, float]  # a GPU kernel, memset or copy: (profiler name, start µs, end µs)
+
+
+def split_calls(events: list[Event], calls: int, flushed: bool) -> list[list[Event]]:
+    """The events of `calls` calls on one stream -> one list per call, in start order; with `flushed`, each call's
+    list begins with the L2 flush launched before it. Every call must run the same kernels in the same order (else
+    ValueError): the events are cut into equal runs of launches."""
+    events = sorted(events, key=lambda e: e[1])
+    if calls < 1 or not events or len(events) % calls:
+        raise ValueError(f"{len(events)} GPU events do not split into {calls} calls of equal length")
+    size = len(events) // calls
+    if flushed and size < 2:
+        raise ValueError(f"{size} GPU event per call: the L2 flush and no kernel of the call")
+    groups = [events[i:i + size] for i in range(0, len(events), size)]
+    names = [[kernel_name(e[0]) for e in g] for g in groups]
+    for i, n in enumerate(names[1:], start=1):
+        if n != names[0]:
+            raise ValueError(f"call {i} ran {n}, call 0 {names[0]}: the calls differ, so they cannot be told apart")
+    return groups
+
+
+def call_times(events: list[Event], flushed: bool) -> dict[str, float]:
+    """One call's events in start order (split_calls) -> {kernel_name: µs}, then TOTAL, SPAN and, with `flushed`
+    (events[0] is the L2 flush), FLUSH_IDLE."""
+    flush, kernels = (events[0], events[1:]) if flushed else (None, events)
     out: dict[str, float] = {}
-    for name, us in kernels:
+    for name, start, end in kernels:
         key = kernel_name(name)
-        out[key] = out.get(key, 0.0) + us / calls
+        out[key] = out.get(key, 0.0) + (end - start)
     out[TOTAL] = sum(out.values())
+    out[SPAN] = max(end for _, _, end in kernels) - kernels[0][1]
+    if flush is not None:
+        out[FLUSH_IDLE] = kernels[0][1] - flush[2]
     return out
 
 
+def per_call(events: list[Event], calls: int, flushed: bool = False) -> dict[str, float]:
+    """The events of `calls` calls -> each row's mean µs per call (call_times), the kernels in first-seen order,
+    then the SUMMARY rows."""
+    times = [call_times(g, flushed) for g in split_calls(events, calls, flushed)]
+    return {k: sum(t[k] for t in times) / calls for k in kernel_order(times)}
+
+
 def kernel_order(tables: list[dict[str, float]]) -> list[str]:
-    """The kernels of all `tables` in first-seen order, TOTAL last."""
-    return list(dict.fromkeys(k for t in tables for k in t if k != TOTAL)) + [TOTAL]
+    """The kernels of all `tables` in first-seen order, then the SUMMARY rows that any of them has."""
+    kernels = dict.fromkeys(k for t in tables for k in t if k not in SUMMARY)
+    return list(kernels) + [k for k in SUMMARY if any(k in t for t in tables)]
 
 
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """Each kernel's median over the rounds (a round without the kernel counts 0 µs), in first-seen order."""
+    """Each row's median over the rounds (a round without the kernel counts 0 µs), in kernel_order."""
     return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in kernel_order(rounds)}
 
 
@@ -89,21 +135,44 @@ def format_case(case: str, per_method: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def profile_calls(call, iters: int) -> list[tuple[str, float]]:
-    """(name, µs) of every GPU kernel, memset and copy that `iters` calls of `call` ran."""
+def profile_calls(call, iters: int, flush=None) -> list[Event]:
+    """The Event of every GPU kernel, memset and copy that `iters` calls of `call` ran, each call
+    after flush() where one is given."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
+            if flush is not None:
+                flush()
             call()
         torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def make_call(fn, context, q, k, v, do, mode: str):
+    """One call of `mode` (fwd, fwd_bwd, or bwd: backward calls that reuse one forward's graph, made here), grads
+    cleared after it."""
+    o = None
+    if mode == "bwd":
+        with context():
+            o = fn()
+
+    def call():
+        with context():
+            if mode == "bwd":
+                o.backward(do, retain_graph=True)
+            else:
+                out = fn()
+                if mode == "fwd_bwd":
+                    out.backward(do)
+        q.grad = k.grad = v.grad = None
+    return call
+
+
 def run_case(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str, rounds: int,
-             iters: int) -> dict[str, dict[str, float]]:
-    """{method: {kernel: median µs per call}} of one case; a method that cannot run it is left out with a note."""
+             iters: int, flush_l2: bool = False) -> dict[str, dict[str, float]]:
+    """{method: {row: median µs per call}} of one case; a method that cannot run it is left out with a note."""
     batch, heads = bk.shape_for(seqlen, hd)
     calls = {}
     for method in methods:
@@ -113,21 +182,18 @@ def run_case(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str, 
         except bk.BackendUnsupported as e:
             print(f"note: {method} skipped: {e}")
             continue
-
-        def call(fn=fn, context=context, q=q, k=k, v=v, do=do):
-            with context():
-                o = fn()
-                if mode != "fwd":
-                    o.backward(do)
-            q.grad = k.grad = v.grad = None
-        calls[method] = call
+        calls[method] = make_call(fn, context, q, k, v, do, mode)
+    flush = None
+    if flush_l2:
+        cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        flush = cache.zero_
     per_round: dict[str, list[dict[str, float]]] = {m: [] for m in calls}
     for _round in range(rounds):
         for method, call in calls.items():
             for _ in range(2):  # warm-up: the first call of a method builds its state (and compiles, for FA4)
                 call()
             torch.cuda.synchronize()
-            per_round[method].append(per_call(profile_calls(call, iters), iters))
+            per_round[method].append(per_call(profile_calls(call, iters, flush), iters, flushed=flush is not None))
     return {m: medians(r) for m, r in per_round.items()}
 
 
@@ -138,8 +204,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hdims", nargs="+", type=int, default=[128])
     p.add_argument("--causal", nargs="+", type=int, choices=[0, 1], default=[0, 1])
     p.add_argument("--seqlens", nargs="+", type=int, default=[8192])
-    p.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd_bwd"],
-                   help="fwd: forward calls; fwd_bwd: forward + backward calls")
+    p.add_argument("--modes", nargs="+", choices=bk.MODES, default=["fwd_bwd"],
+                   help="fwd: forward calls; fwd_bwd: forward + backward calls; bwd: backward calls alone")
+    p.add_argument("--flush-l2", action="store_true",
+                   help="zero a 256 MB buffer before each call, as triton.testing.do_bench does (bench/kernel.py)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=20, help="profiled calls per method and round")
     p.add_argument("--results", type=Path, default=None, help="write the rows here as JSON")
@@ -165,11 +233,13 @@ def main(argv=None) -> int:
         for causal in args.causal:
             for seqlen in args.seqlens:
                 for mode in args.modes:
-                    per_method = run_case(args.methods, hd, bool(causal), seqlen, mode, args.rounds, args.iters)
-                    case = f"hd={hd} causal={causal} T={seqlen} {mode}"
+                    per_method = run_case(args.methods, hd, bool(causal), seqlen, mode, args.rounds, args.iters,
+                                          args.flush_l2)
+                    case = f"hd={hd} causal={causal} T={seqlen} {mode}" + (" L2 flushed" if args.flush_l2 else "")
                     print(format_case(case, per_method) + "\n")
                     rows += [{"device": device, "hd": hd, "causal": bool(causal), "seqlen": seqlen, "mode": mode,
-                              "method": m, "kernel": k, "us_per_call": us, "rounds": args.rounds, "iters": args.iters}
+                              "method": m, "kernel": k, "us_per_call": us, "rounds": args.rounds, "iters": args.iters,
+                              "flush_l2": args.flush_l2}
                              for m, kernels in per_method.items() for k, us in kernels.items()]
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
