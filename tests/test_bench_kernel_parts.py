@@ -100,17 +100,22 @@ def test_refuses_to_run_without_a_gpu(tmp_path, monkeypatch):
     assert not (tmp_path / "parts.json").exists()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles attention kernels: needs a CUDA GPU")
-def test_a_backward_splits_into_its_kernels_on_the_gpu(tmp_path):
+def _run_on_gpu(tmp_path, args: list[str]) -> list[dict]:
+    """kernel_parts.main(args) with ours' kernels built; the rows it wrote."""
     import flash_kernel
 
     if not flash_kernel.is_available():
         pytest.skip(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
     path = tmp_path / "parts.json"
-    assert kp.main(["--methods", "ours", "sdpa_flash", "--hdims", "64", "--causal", "1", "--seqlens", "1024",
-                    "--rounds", "2", "--iters", "3", "--results", str(path)]) == 0
-    rows = json.loads(path.read_text())
+    assert kp.main(args + ["--rounds", "2", "--iters", "3", "--results", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles attention kernels: needs a CUDA GPU")
+def test_a_backward_splits_into_its_kernels_on_the_gpu(tmp_path):
+    rows = _run_on_gpu(tmp_path, ["--methods", "ours", "sdpa_flash", "--hdims", "64", "--causal", "1", "--seqlens",
+                                  "1024"])
     ours = {r["kernel"]: r["us_per_call"] for r in rows if r["method"] == "ours"}
     # ours' forward + backward: the forward, the backward's preprocess, main kernel and dQ convert, each timed
     for name in ("flash::bwd_preprocess_kernel", "flash::bwd_convert_dq_kernel"):
@@ -127,14 +132,8 @@ def test_a_backward_splits_into_its_kernels_on_the_gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles attention kernels: needs a CUDA GPU")
 def test_backward_calls_after_an_l2_flush_on_the_gpu(tmp_path):
-    import flash_kernel
-
-    if not flash_kernel.is_available():
-        pytest.skip(f"flash_kernel unavailable: {flash_kernel.unavailable_reason()}")
-    path = tmp_path / "parts.json"
-    assert kp.main(["--methods", "ours", "--hdims", "128", "--causal", "0", "--seqlens", "1024", "--modes", "bwd",
-                    "--flush-l2", "--rounds", "2", "--iters", "3", "--results", str(path)]) == 0
-    rows = json.loads(path.read_text())
+    rows = _run_on_gpu(tmp_path, ["--methods", "ours", "--hdims", "128", "--causal", "0", "--seqlens", "1024",
+                                  "--modes", "bwd", "--flush-l2"])
     ours = {r["kernel"]: r["us_per_call"] for r in rows}
     assert all(r["mode"] == "bwd" and r["flush_l2"] for r in rows)
     # the backward's three kernels in launch order, and nothing of the forward, nor the flush
