@@ -136,8 +136,8 @@ def format_case(case: str, per_method: dict[str, dict[str, float]]) -> str:
 
 
 def profile_calls(call, iters: int, flush=None) -> list[Event]:
-    """The Event of every GPU kernel, memset and copy that `iters` calls of `call` ran, each call
-    after flush() where one is given."""
+    """The Event of every GPU kernel, memset and copy that `iters` calls of `call` ran, each call after flush()
+    where one is given."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
