@@ -303,6 +303,17 @@ def _storage_gib(tensors) -> float:
     return sum(storages.values()) / GIB
 
 
+def mode_step(mode: str, fn, do):
+    """The call that mode times: fn (fwd), fn().backward(do) (fwd_bwd), or for bwd a backward of one forward run
+    here, whose graph every call reuses."""
+    if mode == "fwd":
+        return fn
+    if mode == "bwd":
+        o = fn()
+        return lambda: o.backward(do, retain_graph=True)
+    return lambda: fn().backward(do)
+
+
 def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[float, float]:
     """(median ms, peak GiB of one untimed call) for mode in fwd / bwd / fwd_bwd. The peak is the method's inputs
     plus what the call allocates on top of what was live before it, so other methods' inputs (--rounds keeps every
@@ -311,18 +322,7 @@ def run_mode(mode: str, tensors, fn, warmup_ms: float, rep_ms: float) -> tuple[f
     leaves = [q, k, v]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()  # before bwd's forward too: the graph it keeps counts, as it always did
-    if mode == "fwd":
-        step = fn
-    elif mode == "bwd":
-        o = fn()  # one forward whose graph every timed backward reuses
-
-        def step():
-            o.backward(do, retain_graph=True)
-    else:
-
-        def step():
-            fn().backward(do)
-
+    step = mode_step(mode, fn, do)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step()

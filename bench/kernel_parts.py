@@ -28,6 +28,7 @@ kernel, the GPU waiting for the host to launch it, which do_bench's time per cal
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -151,21 +152,14 @@ def profile_calls(call, iters: int, flush=None) -> list[Event]:
 
 
 def make_call(fn, context, q, k, v, do, mode: str):
-    """One call of `mode` (fwd, fwd_bwd, or bwd: backward calls that reuse one forward's graph, made here), grads
-    cleared after it."""
-    o = None
-    if mode == "bwd":
-        with context():
-            o = fn()
+    """One call of `mode` as bench/kernel.py times it (bk.mode_step; bwd's forward runs here), in the method's
+    context, grads cleared after it."""
+    with context():
+        step = bk.mode_step(mode, fn, do)
 
     def call():
         with context():
-            if mode == "bwd":
-                o.backward(do, retain_graph=True)
-            else:
-                out = fn()
-                if mode == "fwd_bwd":
-                    out.backward(do)
+            step()
         q.grad = k.grad = v.grad = None
     return call
 
@@ -229,18 +223,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     rows = []
-    for hd in args.hdims:
-        for causal in args.causal:
-            for seqlen in args.seqlens:
-                for mode in args.modes:
-                    per_method = run_case(args.methods, hd, bool(causal), seqlen, mode, args.rounds, args.iters,
-                                          args.flush_l2)
-                    case = f"hd={hd} causal={causal} T={seqlen} {mode}" + (" L2 flushed" if args.flush_l2 else "")
-                    print(format_case(case, per_method) + "\n")
-                    rows += [{"device": device, "hd": hd, "causal": bool(causal), "seqlen": seqlen, "mode": mode,
-                              "method": m, "kernel": k, "us_per_call": us, "rounds": args.rounds, "iters": args.iters,
-                              "flush_l2": args.flush_l2}
-                             for m, kernels in per_method.items() for k, us in kernels.items()]
+    for hd, causal, seqlen, mode in itertools.product(args.hdims, args.causal, args.seqlens, args.modes):
+        per_method = run_case(args.methods, hd, bool(causal), seqlen, mode, args.rounds, args.iters, args.flush_l2)
+        case = f"hd={hd} causal={causal} T={seqlen} {mode}" + (" L2 flushed" if args.flush_l2 else "")
+        print(format_case(case, per_method) + "\n")
+        rows += [{"device": device, "hd": hd, "causal": bool(causal), "seqlen": seqlen, "mode": mode, "method": m,
+                  "kernel": k, "us_per_call": us, "rounds": args.rounds, "iters": args.iters, "flush_l2": args.flush_l2}
+                 for m, kernels in per_method.items() for k, us in kernels.items()]
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(rows, indent=1) + "\n")

@@ -515,3 +515,23 @@ def test_varlen_grid_runs_on_the_gpu(tmp_path):
 
     if flash_kernel.is_available():
         assert all(r["status"] == "ok" for r in rows if r["method"] == "ours_dense" or (r["method"] == "ours" and r["window"] < 0))
+
+
+def test_mode_step_runs_what_each_mode_times():
+    q = torch.ones(3, requires_grad=True)
+    forwards = []
+
+    def fn():
+        forwards.append(1)
+        return q * 2
+
+    do = torch.ones(3)
+    bench.mode_step("fwd", fn, do)()
+    assert len(forwards) == 1 and q.grad is None
+    step = bench.mode_step("bwd", fn, do)  # its one forward runs here; every call reuses its graph
+    step()
+    step()
+    assert len(forwards) == 2 and q.grad.tolist() == [4.0, 4.0, 4.0]
+    q.grad = None
+    bench.mode_step("fwd_bwd", fn, do)()
+    assert len(forwards) == 3 and q.grad.tolist() == [2.0, 2.0, 2.0]
