@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
         *params.tile_counter = 0;
     }
     if (valid) {
-        const int64_t accum_row = kVarlen ? th.accum_row(params) : th.row(params);
+        const int64_t accum_row = th.accum_row(params);
         for (int split = 0; split < params.num_splits; ++split) {
             float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row * params.d_rounded;
 #pragma unroll
