@@ -134,14 +134,18 @@ void check_dq_stage(const char* name) {
     if (g_failures == before) std::printf("ok %s\n", name);
 }
 
-// The Hopper backward's sdQ, whose rows dq_accum shares (rows of d_rounded floats, chunk c of query q at
-// dq_accum_chunk(c, q)): every column its own slot inside its row, 16-byte chunks kept whole; a warpgroup's float2
+// The Hopper backward's sdQ, whose rows dq_accum shares (rows of kRowFloats: d_rounded, or 80 at hd65-80; chunk c of
+// query q at dq_accum_chunk_in<kRowFloats>(c, q)): every column its own slot inside its row, 16-byte chunks kept whole, the
+// chunk pairs that the convert kernel reads as columns 8i .. 8i + 7 adjacent; a warpgroup's float2
 // stores (lane 4g + t of warp w: row 16w + g + 8r, columns col0 + 8i + 2t, col0 = 0 or 64) free of bank conflicts
 // per half-warp, the unit in which the SM serves 8-byte stores.
-void check_hopper_dq(const char* name, int d_rounded) {
+template <int kRowFloats>
+void check_hopper_dq(const char* name) {
     const int before = g_failures;
-    constexpr int kRows = 64;
-    auto at = [&](int row, int col) { return row * d_rounded + 4 * flash::dq_accum_chunk(col / 4, row) + col % 4; };
+    constexpr int kRows = 64, d_rounded = kRowFloats;
+    auto at = [&](int row, int col) {
+        return row * d_rounded + 4 * flash::dq_accum_chunk_in<kRowFloats>(col / 4, row) + col % 4;
+    };
     for (int row = 0; row < kRows; ++row) {
         std::set<int> seen;
         for (int col = 0; col < d_rounded; ++col) {
@@ -149,6 +153,7 @@ void check_hopper_dq(const char* name, int d_rounded) {
             CHECK(i / d_rounded == row, "(%d, %d) -> %d leaves its row", row, col, i);
             CHECK(seen.insert(i).second, "(%d, %d) -> %d is taken", row, col, i);
             CHECK(i % 4 == col % 4, "(%d, %d) -> %d splits a 16-byte chunk", row, col, i);
+            if (col % 8 == 4) CHECK(i == at(row, col - 4) + 4, "(%d, %d): the chunk pair of columns %d.. split", row, col, col - 4);
         }
     }
     for (int col0 = 0; col0 < d_rounded; col0 += 64) {
@@ -185,8 +190,9 @@ int main() {
     check<SmemTile<128>>("swizzled 128");
     check<SmemTile<256>>("swizzled 256");
     check_dq_stage<32>("dq stage 32");
-    check_hopper_dq("hopper dq 64", 64);
-    check_hopper_dq("hopper dq 96", 96);
-    check_hopper_dq("hopper dq 128", 128);
+    check_hopper_dq<64>("hopper dq 64");
+    check_hopper_dq<80>("hopper dq 80");
+    check_hopper_dq<96>("hopper dq 96");
+    check_hopper_dq<128>("hopper dq 128");
     return g_failures == 0 ? 0 : 1;
 }

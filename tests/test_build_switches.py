@@ -53,6 +53,15 @@ def has_sw64_desc(ptx: str) -> bool:
     with bit 63 set and bit 62 clear (SW32's type 3 sets both; SW128's 1, bit 62 alone, is positive); under
     FLASH_WGMMA_DESC_PAIR its high word, 0x80000020 (layout type 2, the 512-byte atom as stride)."""
     return any(pair or (int(wide) & (2**64 - 1)) >> 62 == 2 for wide, pair in DESC_IMMEDIATE.findall(ptx))
+
+
+def splits_n80(ptx: str) -> bool:
+    """Whether the backward's hd65-80 twins run 80-wide tiles: dV and dK as n64 + n16 wgmmas over the SW128 and SW32
+    blocks, which the 128-wide tiles issue as n80. An n16 alone does not tell them apart: the twins' dQ rows of 80
+    floats give the second dQ warpgroup an n16 on either tile."""
+    return WGMMA + "m64n16k16" in ptx and WGMMA + "m64n80k16" not in ptx
+
+
 TMA_STORE = "cp.async.bulk.tensor.4d.global.shared::cta"  # a TMA store of a tile (dK_j or dV_j) from shared memory
 TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its default, the PTX that marks them,
     #  other switches held: FLASH_FWD_NARROW_PV, FLASH_BWD_NARROW_DKV and FLASH_BWD_NARROW_DQ narrow the 128-wide
@@ -65,7 +74,7 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     ("FLASH_NARROW_HD80", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n80k16", ["FLASH_HD80_TAIL=0"]),
     # 80-wide tiles: O += P V, dV, dK and the second dQ warpgroup take an n16 wgmma over the SW32 block
     ("FLASH_HD80_TAIL", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n16k16", []),
-    ("FLASH_HD80_TAIL", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n16k16", []),
+    ("FLASH_HD80_TAIL", "flash_bwd_hdim96_bf16.cu", 1, splits_n80, []),
     # a producer + 3 consumers; the causal hd80 tile has them too
     ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", ["FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", ["FLASH_BWD_HD96_SW64=0"]),

@@ -11,5 +11,5 @@ dq_accum shares) free of bank conflicts for its float2 stores, per half-warp.
 
 def test_smem_tile_layouts(host_check):
     layouts = ["padded 32", "padded 96", "padded 64", "padded 128", "swizzled 64", "swizzled 128", "swizzled 256",
-               "dq stage 32", "hopper dq 64", "hopper dq 96", "hopper dq 128"]
+               "dq stage 32", "hopper dq 64", "hopper dq 80", "hopper dq 96", "hopper dq 128"]
     assert host_check("smem_tile_check.cu") == [f"ok {name}" for name in layouts]

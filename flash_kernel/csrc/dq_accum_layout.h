@@ -14,4 +14,17 @@ namespace flash {
 // kernels' dq_accum is plain row-major.
 __host__ __device__ __forceinline__ int dq_accum_chunk(int c, int q) { return c ^ (2 * (q % 4)); }
 
+// Rows of 80 floats (the hd65-80 kernels, hopper_bwd_traits.h's NarrowTraits): 320 bytes, so row q + 1 starts 16
+// banks after row q, and a half-warp's rows q and q + 1 already fall on different halves of the banks; chunk c of
+// query q at chunk c ^ 2 ((q / 2) % 2) separates rows q and q + 2. The XOR (0 or 2) stays inside each group of 4
+// chunks, so the row's last 4 (columns 64-79) stay among themselves.
+__host__ __device__ __forceinline__ int dq_accum_chunk_80(int c, int q) { return c ^ (2 * ((q / 2) % 2)); }
+
+// The chunk of a row of kRowFloats floats: whole 8-chunk groups (32 floats) as dq_accum_chunk, else 80 floats.
+template <int kRowFloats>
+__host__ __device__ __forceinline__ int dq_accum_chunk_in(int c, int q) {
+    static_assert(kRowFloats % 32 == 0 || kRowFloats == 80, "dq_accum rows of whole 8-chunk groups, or 80 floats");
+    return kRowFloats % 32 == 0 ? dq_accum_chunk(c, q) : dq_accum_chunk_80(c, q);
+}
+
 }  // namespace flash

@@ -461,8 +461,10 @@ void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const 
     // varlen (flash_params.h); zeroed by the preprocess kernel, which reads every row anyway.
     at::Tensor delta = at::empty(lse.sizes(), f32);
     const int64_t accum_rows = s.varlen ? flash::dq_accum_rows(static_cast<int>(s.total_q), static_cast<int>(s.b)) : s.tq;
-    at::Tensor dq_accum = s.varlen ? at::empty({int64_t{num_splits}, s.h, accum_rows, int64_t{d_rounded}}, f32)
-                                   : at::empty({int64_t{num_splits}, s.b, s.h, s.tq, int64_t{d_rounded}}, f32);
+    p.dq_accum_cols = hopper ? flash::hopper_bwd_dq_accum_cols(static_cast<int>(s.d), d_rounded) : d_rounded;
+    const int64_t cols = p.dq_accum_cols;
+    at::Tensor dq_accum = s.varlen ? at::empty({int64_t{num_splits}, s.h, accum_rows, cols}, f32)
+                                   : at::empty({int64_t{num_splits}, s.b, s.h, s.tq, cols}, f32);
     // GQA/MQA: per-query-head dK/dV ((B, Tk, Hq, D), or (total_k, Hq, D)), summed over each group below.
     const bool grouped = s.h != s.h_k;
     std::vector<int64_t> expanded_shape = k.sizes().vec();

@@ -52,8 +52,6 @@ struct RowKernelShape {
     static constexpr int kRowThreads = kHeadDim <= 32 ? 4 : kHeadDim <= 96 ? 8 : kHeadDim <= 128 ? 16 : 32;
     static constexpr int kRows = kRowKernelThreads / kRowThreads;
     static constexpr int kSteps = ceil_div(kHeadDim, kRowThreads * kCopyElems);  // 16-byte vectors of a row per thread
-    static constexpr int kZeroSteps = kHeadDim / (kRowThreads * 4);  // float4 zero stores per thread
-    static_assert(kHeadDim % (kRowThreads * 4) == 0, "a dq_accum row of d_rounded = kHeadDim floats in whole steps");
 };
 // A row kernel thread's place: thread `sub` of query row `q` of head bidh, batch (kVarlen: sequence) bidb. kVarlen:
 // the sequence has seqlen_q rows from packed row q_row0 (cu_seqlens_q); dense: params.seqlen_q rows, placed by the
@@ -103,13 +101,16 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
     }
 }
 
-// Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows zeroed here (every split), which spares a
-// separate memset of the same bytes, as does the Hopper causal kernel's tile counter. Rows are RowKernelShape's: at
-// hd128 16 threads per row, 16 rows per block. The zero stores go out first, while the row's loads are in flight.
-// kVarlen: rows of packed sequences (cu_seqlens_q), a row block past its sequence's end writes nothing.
-template <typename Element, int kHeadDim, bool kVarlen>
+// Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows of kAccumCols floats (BwdParams::dq_accum_cols)
+// zeroed here (every split), which spares a separate memset of the same bytes, as does the Hopper causal kernel's
+// tile counter. Rows are RowKernelShape's: at hd128 16 threads per row, 16 rows per block. The zero stores go out
+// first, while the row's loads are in flight. kVarlen: rows of packed sequences (cu_seqlens_q), a row block past its
+// sequence's end writes nothing.
+template <typename Element, int kHeadDim, bool kVarlen, int kAccumCols>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
+    static_assert(kAccumCols <= kHeadDim && kAccumCols % 4 == 0, "dq_accum rows of whole float4s, within the row");
+    constexpr int kZeroSteps = ceil_div(kAccumCols, Shape::kRowThreads * 4);  // float4 zero stores per thread
     const auto th = row_thread<kHeadDim, kVarlen>(params);
     const bool valid = th.q < th.rows(params);  // no early return: the row's threads reduce by shuffles below
     // The persistent Hopper causal kernel's tile counter (bwd_tile_scheduler.h), which runs after this kernel.
@@ -119,11 +120,11 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
     if (valid) {
         const int64_t accum_row = th.accum_row(params);
         for (int split = 0; split < params.num_splits; ++split) {
-            float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row * params.d_rounded;
+            float* dst = params.dq_accum_ptr + split * params.dq_accum_split_stride + accum_row * kAccumCols;
 #pragma unroll
-            for (int step = 0; step < Shape::kZeroSteps; ++step) {  // d_rounded is kHeadDim
-                float4* zeros = reinterpret_cast<float4*>(dst + th.sub * 4 + step * Shape::kRowThreads * 4);
-                *zeros = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int step = 0; step < kZeroSteps; ++step) {
+                const int col = th.sub * 4 + step * Shape::kRowThreads * 4;
+                if (col < kAccumCols) *reinterpret_cast<float4*>(dst + col) = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
     }
@@ -159,15 +160,16 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
     if (valid && th.sub == 0) params.delta_ptr[th.row(params)] = acc;
 }
 
-// dQ = softmax_scale * sum over splits of dq_accum, cast to the input dtype, written with dq's strides; 8
-// columns (two float4 loads per split, one 16-byte store) per thread and step. kSwizzledChunks: dq_accum in the
-// Hopper backward's layout (dq_accum_chunk; one split). kVarlen: as in bwd_preprocess_kernel.
-template <typename Element, int kHeadDim, bool kSwizzledChunks, bool kVarlen>
+// dQ = softmax_scale * sum over splits of dq_accum (rows of kAccumCols floats), cast to the input dtype, written
+// with dq's strides; 8 columns (two float4 loads per split, one 16-byte store) per thread and step.
+// kSwizzledChunks: dq_accum in the Hopper backward's layout (dq_accum_chunk_in; one split). kVarlen: as in
+// bwd_preprocess_kernel.
+template <typename Element, int kHeadDim, bool kSwizzledChunks, bool kVarlen, int kAccumCols>
 __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const BwdParams params) {
     using Shape = RowKernelShape<kHeadDim>;
     const auto th = row_thread<kHeadDim, kVarlen>(params);
     if (th.q >= th.rows(params)) return;
-    const float* src = params.dq_accum_ptr + th.accum_row(params) * params.d_rounded;
+    const float* src = params.dq_accum_ptr + th.accum_row(params) * kAccumCols;
     Element* dst = static_cast<Element*>(params.dq_ptr) + th.bidb * params.dq_batch_stride +
                    th.q_row(params) * params.dq_row_stride + th.bidh * params.dq_head_stride;
     const float sc = params.scale_softmax;
@@ -175,8 +177,8 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_convert_dq_kernel(const
     for (int step = 0; step < Shape::kSteps; ++step) {
         const int col = (th.sub + step * Shape::kRowThreads) * kCopyElems;
         if (col >= params.d) break;
-        const int lo_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4, th.q) : col;
-        const int hi_col = kSwizzledChunks ? 4 * dq_accum_chunk(col / 4 + 1, th.q) : col + 4;
+        const int lo_col = kSwizzledChunks ? 4 * dq_accum_chunk_in<kAccumCols>(col / 4, th.q) : col;
+        const int hi_col = kSwizzledChunks ? 4 * dq_accum_chunk_in<kAccumCols>(col / 4 + 1, th.q) : col + 4;
         float4 lo = *reinterpret_cast<const float4*>(src + lo_col), hi = *reinterpret_cast<const float4*>(src + hi_col);
         for (int split = 1; split < params.num_splits; ++split) {
             const float* other = src + split * params.dq_accum_split_stride + col;

@@ -117,10 +117,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
     float* sdQ = sDelta + kNStages * kBlockM;  // [kDqStages][kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled
     const uint32_t sdQ_addr = smem_addr(sdQ);
-    constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (d_rounded)
-    // The columns of a dQ row that no warpgroup writes (a tile narrower than d_rounded: hd65-80's 80 of 96): zeros,
-    // written once, so that every reduce adds zeros there.
-    constexpr int kDqZeroCols = kDqRow - (kHeadDim < kDqRow ? kHeadDim : kDqRow);
+    constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (BwdParams::dq_accum_cols)
     const uint32_t full_kv = sdQ_addr + Traits::kDqStages * Traits::kSmemDqBytes;  // mbarriers: K_j and V_j landed,
     auto full_qdo = [&](int stage) { return full_kv + 8 * (1 + stage); };  // Q_i and dO_i of a stage landed
 
@@ -191,9 +188,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                 : (static_cast<int64_t>(v.bidb) * params.h + v.bidh) * v.sq.seqlen_q;
         v.lse = params.lse_ptr + row_base;
         v.delta = params.delta_ptr + row_base;
+        // Rows of params.dq_accum_cols = kDqRow floats (run_bwd_hopper checks it), read from the parameters like the
+        // other strides: as a constant it moves every head dim's code, which times 1-2% apart (results.md, section 57).
         v.dq_accum = params.dq_accum_ptr + (kVarlenOrLocal && params.cu_seqlens_q != nullptr
                                                 ? v.bidh * dq_accum_rows(params.total_q, params.b) + dq_accum_row0(v.sq.q_row0, v.bidb)
-                                                : row_base) * params.d_rounded;
+                                                : row_base) * params.dq_accum_cols;
         v.causal_offset = v.sq.seqlen_k - v.sq.seqlen_q;
         if constexpr (kVarlenOrLocal) {  // the query blocks that see one of keys [key0, key0 + valid_keys)
             v.m_min = v.m_max = 0;
@@ -214,15 +213,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Thread 0 issues the TMA loads, each arming its tile's "full" mbarrier with the tile's bytes.
     const bool loader = tid == 0;
-    if constexpr (kDqZeroCols > 0) {
-        for (int i = tid; i < Traits::kDqStages * kBlockM * kDqZeroCols / 4; i += Traits::kNThreads) {
-            const int row = i / (kDqZeroCols / 4) % kBlockM, stage = i / (kDqZeroCols / 4 * kBlockM);
-            const int col = kDqRow - kDqZeroCols + 4 * (i % (kDqZeroCols / 4));
-            float* chunk = sdQ + stage * (Traits::kSmemDqBytes / 4) + row * kDqRow + 4 * dq_accum_chunk(col / 4, row);
-            *reinterpret_cast<float4*>(chunk) = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        fence_view_async_shared();  // read by the TMA unit's reduces
-    }
     if (loader) {
         if constexpr (kPersistent) state = {static_cast<int>(blockIdx.x), 0, 0, 0};
         prefetch_tensor_map(&maps.q);
@@ -562,7 +552,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                         const int col = dq_col0 + i * kMmaN + 2 * t;
                         if (col < kDqRow) {  // 8-byte stores by asm: through a float2 pointer nvcc splits half of them
                             st_shared_f32x2(
-                                sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk(col / 4, row) + col % 4) + dq_off,
+                                sdQ_addr + 4 * (row * kDqRow + 4 * dq_accum_chunk_in<kDqRow>(col / 4, row) + col % 4) + dq_off,
                                 dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
                         }
                     }

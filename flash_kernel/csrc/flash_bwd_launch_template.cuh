@@ -47,18 +47,6 @@ cudaError_t launch_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
     });
 }
 
-// The Hopper kernel of HopperBwdConfig for this input: its NarrowTraits for head dims up to its kNarrowDim, else its
-// Traits (hopper_bwd_traits.h).
-template <typename Config>
-cudaError_t launch_bwd_hopper_config(const BwdParams& params, cudaStream_t stream) {
-    if constexpr (NarrowDimOf<Config>::value > 0) {
-        if (params.d <= NarrowDimOf<Config>::value) {
-            return launch_bwd_hopper<typename Config::NarrowTraits>(params, stream);
-        }
-    }
-    return launch_bwd_hopper<typename Config::Traits>(params, stream);
-}
-
 // Alg. 2 lines 6-20 on sm80+ (flash_bwd_tiled_kernel.cuh): parallel over K/V blocks (or num_splits ordered
 // workers), heads (times the column splits), batch (varlen: sequences, the K/V blocks of max_seqlen_k). Varlen and
 // windowed calls (is_varlen_or_local) run the kernel that reads their bounds at run time.
@@ -96,50 +84,63 @@ cudaError_t launch_bwd_sm80_config(const BwdParams& params, cudaStream_t stream)
 }
 
 // The row kernels around the main one (flash_bwd_common.cuh) for dense or packed (varlen) rows: grid.x covers
-// (max_)seqlen_q's rows, grid.z the batch or the sequences.
-template <typename Element, int kHeadDim>
+// (max_)seqlen_q's rows, grid.z the batch or the sequences. dq_accum's rows are kAccumCols floats.
+template <typename Element, int kHeadDim, int kAccumCols>
 cudaError_t launch_bwd_preprocess(const BwdParams& params, cudaStream_t stream) {
     const dim3 row_grid(ceil_div(params.seqlen_q, RowKernelShape<kHeadDim>::kRows), params.h, params.b);
     FLASH_BOOL_SWITCH(params.cu_seqlens_q != nullptr, kVarlen, [&] {
-        bwd_preprocess_kernel<Element, kHeadDim, kVarlen><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
+        bwd_preprocess_kernel<Element, kHeadDim, kVarlen, kAccumCols><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     });
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;
 }
-template <typename Element, int kHeadDim, bool kSwizzledChunks>
+template <typename Element, int kHeadDim, bool kSwizzledChunks, int kAccumCols>
 cudaError_t launch_bwd_convert_dq(const BwdParams& params, cudaStream_t stream) {
     const dim3 row_grid(ceil_div(params.seqlen_q, RowKernelShape<kHeadDim>::kRows), params.h, params.b);
     FLASH_BOOL_SWITCH(params.cu_seqlens_q != nullptr, kVarlen, [&] {
-        bwd_convert_dq_kernel<Element, kHeadDim, kSwizzledChunks, kVarlen><<<row_grid, kRowKernelThreads, 0, stream>>>(params);
+        bwd_convert_dq_kernel<Element, kHeadDim, kSwizzledChunks, kVarlen, kAccumCols>
+            <<<row_grid, kRowKernelThreads, 0, stream>>>(params);
     });
     FLASH_LAUNCH_CHECK();
     return cudaSuccess;
+}
+
+// Alg. 2 line 4 with dq_accum zeroed, lines 6-20 by the Hopper kernel of Traits, then dQ = scale * dq_accum -> the
+// input dtype: dq_accum in that kernel's layout (dq_accum_layout.h), rows of Traits::kQKDim floats, the width the
+// caller allocated it with (BwdParams::dq_accum_cols, hopper_dq_accum_cols).
+template <typename Element, int kHeadDim, typename Traits>
+cudaError_t run_bwd_hopper(const BwdParams& params, cudaStream_t stream) {
+    constexpr int kAccumCols = Traits::kQKDim;
+    if (params.dq_accum_cols != kAccumCols) return cudaErrorInvalidValue;
+    FLASH_RETURN_IF_ERROR((launch_bwd_preprocess<Element, kHeadDim, kAccumCols>(params, stream)));
+    FLASH_RETURN_IF_ERROR((launch_bwd_hopper<Traits>(params, stream)));
+    return launch_bwd_convert_dq<Element, kHeadDim, true, kAccumCols>(params, stream);
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_mha_bwd_(const BwdParams& params, cudaStream_t stream) {
-    // Alg. 2 line 4, and dq_accum zeroed.
-    FLASH_RETURN_IF_ERROR((launch_bwd_preprocess<Element, kHeadDim>(params, stream)));
-
-    // Alg. 2 lines 6-20: the Hopper kernel where there is one (not for the ordered deterministic splits), else
-    // the sm80 kernel; then dQ = scale * sum_splits(dq_accum) -> input dtype, reading dq_accum in the layout
-    // that kernel wrote (dq_accum_layout.h, dq_accum_chunk).
+    // The Hopper kernel where there is one (not for the ordered deterministic splits): its NarrowTraits for head dims
+    // up to its kNarrowDim, else its Traits (hopper_bwd_traits.h).
     if constexpr (HopperBwdConfig<kHeadDim, Element>::kAvailable) {
         using HopperConfig = HopperBwdConfig<kHeadDim, Element>;
         static_assert(HopperConfig::Traits::kQKDim == kHeadDim,
                       "the Hopper kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
-        if constexpr (NarrowDimOf<HopperConfig>::value > 0) {
-            static_assert(HopperConfig::NarrowTraits::kQKDim == kHeadDim, "and so are those of its narrow twin");
-        }
         if (params.use_sm90 && !params.deterministic) {
-            FLASH_RETURN_IF_ERROR((launch_bwd_hopper_config<HopperConfig>(params, stream)));
-            return launch_bwd_convert_dq<Element, kHeadDim, true>(params, stream);
+            if constexpr (NarrowDimOf<HopperConfig>::value > 0) {
+                if (hopper_bwd_runs_narrow<HopperConfig>(params.d)) {
+                    return run_bwd_hopper<Element, kHeadDim, typename HopperConfig::NarrowTraits>(params, stream);
+                }
+            }
+            return run_bwd_hopper<Element, kHeadDim, typename HopperConfig::Traits>(params, stream);
         }
     }
+    // Else the sm80 kernel, on plain rows of d_rounded floats.
     static_assert(BwdConfig<kHeadDim, Element>::Traits::kHeadDim == kHeadDim,
                   "the sm80 kernel's dq_accum rows are d_rounded floats, the head dim instantiated here");
+    if (params.dq_accum_cols != kHeadDim) return cudaErrorInvalidValue;
+    FLASH_RETURN_IF_ERROR((launch_bwd_preprocess<Element, kHeadDim, kHeadDim>(params, stream)));
     FLASH_RETURN_IF_ERROR((launch_bwd_sm80_config<BwdConfig<kHeadDim, Element>>(params, stream)));
-    return launch_bwd_convert_dq<Element, kHeadDim, false>(params, stream);
+    return launch_bwd_convert_dq<Element, kHeadDim, false, kHeadDim>(params, stream);
 }
 
 }  // namespace flash

@@ -23,6 +23,14 @@ bool hopper_bwd_built(int head_dim_rounded) {
 
 bool bwd_head_dim_supported(int head_dim_rounded) { return head_dim_rounded <= kMaxHeadDim; }
 
+int hopper_bwd_dq_accum_cols(int head_dim, int head_dim_rounded) {
+    return FLASH_HEADDIM_SWITCH(head_dim_rounded, kHeadDim, [&] {
+        using Config = HopperBwdConfig<kHeadDim, __nv_bfloat16>;
+        if constexpr (Config::kAvailable) return hopper_dq_accum_cols<Config>(head_dim);
+        else return kHeadDim;
+    });
+}
+
 // fp16 and bf16 configs have the same tiles, so the bf16 ones answer for both.
 int sm80_fwd_smem_bytes(const FwdParams& params) {
     return FLASH_HEADDIM_SWITCH(params.d_rounded, kHeadDim, [&] {

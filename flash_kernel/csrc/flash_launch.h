@@ -52,6 +52,9 @@ cudaError_t run_mha_bwd(const BwdParams& params, cudaStream_t stream);
 bool hopper_fwd_built(int head_dim_rounded);      // an sm_90a forward is compiled in for this head dim
 bool hopper_bwd_built(int head_dim_rounded);      // an sm_90a backward is compiled in for this head dim
 bool bwd_head_dim_supported(int head_dim_rounded);  // head dims with a backward instantiation
+// Floats per dq_accum row where the Hopper backward runs head dim head_dim (BwdParams::dq_accum_cols; the sm80
+// kernel's rows are head_dim_rounded floats).
+int hopper_bwd_dq_accum_cols(int head_dim, int head_dim_rounded);
 int bwd_block_n(int head_dim_rounded);              // keys per backward thread block (sizes num_splits)
 // Dynamic shared memory per thread block of the sm80 forward / main backward kernel that runs for params.d_rounded
 // on a GPU with params' limits (a config's smaller variant where its Traits do not fit).

@@ -84,10 +84,10 @@ struct BwdParams : public FwdParams {
 
     // Workspaces allocated by the caller.
     float* delta_ptr;     // (B, Hq, Tq): rowsum(dO * O), Alg. 2 line 4; varlen: (Hq, total_q)
-    float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, d_rounded) fp32, zeroed by the preprocess kernel; the Hopper
-                          // kernel's rows hold their 16-byte chunks swizzled (dq_accum_layout.h, dq_accum_chunk)
-    int64_t dq_accum_split_stride;  // elements between splits = B * Hq * Tq * d_rounded
-    // varlen: dq_accum is (num_splits, Hq, dq_accum_rows(total_q, b), d_rounded) and sequence s's rows begin at
+    float* dq_accum_ptr;  // (num_splits, B, Hq, Tq, dq_accum_cols) fp32, zeroed by the preprocess kernel; the Hopper
+                          // kernel's rows hold their 16-byte chunks swizzled (dq_accum_layout.h, dq_accum_chunk_in)
+    int64_t dq_accum_split_stride;  // elements between splits = B * Hq * Tq * dq_accum_cols
+    // varlen: dq_accum is (num_splits, Hq, dq_accum_rows(total_q, b), dq_accum_cols) and sequence s's rows begin at
     // dq_accum_row0(cu_seqlens_q[s], s), so whole kBlockM-row tiles of one sequence never touch another's rows.
 
     // Non-deterministic: one thread block per K/V block, dQ accumulated with fp32 atomics (sm80 kernel) or the
@@ -101,6 +101,9 @@ struct BwdParams : public FwdParams {
     // Hopper causal kernel (flash_bwd_hopper_kernel.cuh): (batch, head) pairs per group of its block order
     // (causal_order.h, bwd_tile_scheduler.h), or 0 for the grid's own order.
     int bwd_causal_group;
+    // Floats per dq_accum row: d_rounded, or the Hopper kernel's kQKDim (hopper_bwd_dq_accum_cols). It fills the
+    // padding before block_trace: no other field moves, and the kernels that do not read it keep their code.
+    int dq_accum_cols;
 
     // FLASH_BWD_TRACE builds of the Hopper kernel (block_trace.h): kBlockTraceCols values per thread block, at the
     // row of its index in the grid where that is below block_trace_rows; nullptr (the default) writes none.

@@ -52,8 +52,8 @@
 
 namespace flash {
 
-// kHeadDim is the tile width; kQKDim the instantiated head dim (d_rounded), the floats of a dQ row (at most the tile
-// width, but for FLASH_HD80_TAIL's 80-wide tiles under d_rounded 96); kSumDim <= kQKDim the columns that
+// kHeadDim is the tile width; kQKDim the floats of a dQ row in sdQ and dq_accum (BwdParams::dq_accum_cols): the
+// instantiated head dim (d_rounded), or 80 for the hd65-80 twins (NarrowTraits); kSumDim <= kQKDim the columns that
 // S^T = K Q_i^T and dP^T = V dO_i^T sum over (HopperFwdTraits: head dims 65-96 run the 128-wide tiles with zero
 // columns; FLASH_NARROW_HD80's twins skip 16 more of them). kSpanBytes: Q, dO, K and V in SW128 (128, column blocks
 // of 64) or SW64 (64, column blocks of 32; hopper_utils.cuh); SW128 tiles may end in a narrower block (TileLayout).
@@ -99,7 +99,7 @@ struct HopperBwdTraits {
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
     static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
     static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
-    static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of d_rounded), reduced by iteration i+1
+    static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of kQKDim), reduced by iteration i+1
     // sdQ by iteration parity: before the barrier that publishes dS^T_i, the thread issuing the reduces waits for the
     // TMA unit's reads of dQ_{i-2} (one iteration old), not of dQ_{i-1} (issued in this iteration), so that the other
     // warps do not wait at that barrier for the reduce.
@@ -140,7 +140,8 @@ struct HopperBwdTraits {
                   "the last warpgroup's dQ columns: whole n16 tiles of its 64-column block");
     static_assert(kDqSplitQueries || (kNWarpgroups - 1) * kDqCols + kDqColsLast <= kHeadDim,
                   "dQ's columns inside K's tile");
-    static_assert(kQKDim % 32 == 0, "sdQ rows of whole 8-chunk groups (dq_accum_chunk's swizzle)");
+    static_assert(kQKDim % 32 == 0 || kQKDim == 80, "sdQ rows in one of dq_accum_chunk_in's layouts");
+    static_assert(kQKDim <= kHeadDim, "every column of a dQ row inside the tile, written by a warpgroup");
     static_assert(kDkvDim % 16 == 0 && kDkvDim <= kHeadDim && kDkvDim > kHeadDim - kBlockElems,
                   "dK's and dV's N: whole n16 tiles that reach into the tile's last column block");
     static_assert(kSmemBytes <= kMaxSmemBytesSm90, "backward tiles must fit Hopper shared memory");
@@ -163,13 +164,13 @@ template <typename E> struct HopperBwdConfig<96, E> {
     using Traits = HopperBwdTraits<kWidth, E, 96, 64, FLASH_BWD_NARROW_DKV ? 96 : kWidth, 96,
                                    FLASH_BWD_HD96_SW64 != 0 ? 64 : kSwizzleRowBytes>;
     // FLASH_NARROW_HD80 (hopper_kernel_traits.h): head dims up to 80 on 5 k16 steps and 80 columns of dK and dV, on
-    // 80-wide tiles (FLASH_HD80_TAIL: 64 columns in SW128, 16 in SW32), else the 128-wide ones; dQ's rows stay 96
-    // floats, the rows the convert kernel of this head dim reads (the columns past 80 stay zeros). At d = 80 the
+    // 80-wide tiles (FLASH_HD80_TAIL: 64 columns in SW128, 16 in SW32), else the 128-wide ones; dQ's rows of 80
+    // floats (dq_accum_chunk_80), a sixth fewer bytes to zero, reduce and read than d_rounded's 96. At d = 80 the
     // third SW64 box is half past d and costs TMA a whole box: a 64-row tile lands in 509 cycles against 443 in two
     // SW128 boxes (bench/layout_rates.cu, every SM loading), and in SW64 the non-causal backward ran 0.93-0.97 x
     // (docs/results.md, sections 40 and 47).
     static constexpr int kNarrowDim = kNarrowHd80Dim;
-    using NarrowTraits = HopperBwdTraits<kHd80Tail ? 80 : 128, E, 96, 64, 80, 80>;
+    using NarrowTraits = HopperBwdTraits<kHd80Tail ? 80 : 128, E, 80, 64, 80, 80>;
 };
 template <typename E> struct HopperBwdConfig<128, E> {
     static constexpr bool kAvailable = true;
@@ -178,5 +179,19 @@ template <typename E> struct HopperBwdConfig<128, E> {
     using Traits = HopperBwdTraits<128, E>;
 };
 #endif
+
+// Whether HopperBwdConfig runs head dim d on its NarrowTraits (head dims up to its kNarrowDim), else on its Traits.
+template <typename Config>
+constexpr bool hopper_bwd_runs_narrow(int d) {
+    return NarrowDimOf<Config>::value > 0 && d <= NarrowDimOf<Config>::value;
+}
+// The floats of a dq_accum row (BwdParams::dq_accum_cols) where that kernel runs head dim d: its Traits' kQKDim.
+template <typename Config>
+constexpr int hopper_dq_accum_cols(int d) {
+    if constexpr (NarrowDimOf<Config>::value > 0) {
+        if (hopper_bwd_runs_narrow<Config>(d)) return Config::NarrowTraits::kQKDim;
+    }
+    return Config::Traits::kQKDim;
+}
 
 }  // namespace flash
