@@ -17,6 +17,9 @@
 #                                                    # (where it imports): warp-stall samples per SASS instruction,
 #                                                    # gzipped CSVs in $OUT (e.g. --hdim 128 --seqlen 8192 --causal 1
 #                                                    # --mode bwd); bench/ncu_source.py summary reads them anywhere
+#   bash bench/device_run.sh bursts [burst_times.py args]  # each call's time by its place in a burst after an idle
+#                                                    # gap, ours and FA4 (where it imports) in turn (e.g. --hdim 128
+#                                                    # --causal 0 --seqlen 16384)
 #   bash bench/device_run.sh sass [kernel.py args]   # FA4's kernels of that case as PTX in $OUT/fa4_ptx, for
 #                                                    # bench/sass_mix.py to count their main loops beside ours
 #                                                    # (e.g. --hdims 128 --causal 1 --seqlens 8192 --modes bwd)
@@ -53,7 +56,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results/device-logs}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the candidate build runs in another directory
-usage="bench/device_run.sh check|sanitize|python|kernel|varlen|candidate|candidates|ncu|source|sass|e2e|multi|launchers [args]"
+usage="bench/device_run.sh check|sanitize|python|kernel|varlen|candidate|candidates|ncu|source|bursts|sass|e2e|multi|launchers [args]"
 stage=${1:?usage: $usage}
 shift
 
@@ -263,6 +266,12 @@ source)
     build_quietly
     step 540 ncu_source $PY bench/ncu_source.py profile --raw "$OUT" "$@"
     grep -E "^###|^stall reasons|^\| [0-9]|^note" "$OUT/ncu_source.log" | head -n 80
+    ;;
+bursts)
+    build_quietly
+    log="bursts_$(ls "$OUT"/bursts_*.log 2>/dev/null | wc -l)"  # one log per stage run when stages are chained
+    step 540 "$log" $PY bench/burst_times.py --results "$OUT/$log.json" "$@"
+    grep -E "^\||^hd=|^note" "$OUT/$log.log"
     ;;
 sass)
     # FA4's kernels for kernel.py's case as PTX (CUTE_DSL_KEEP_PTX: the DSL writes each kernel it compiles into

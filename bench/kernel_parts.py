@@ -164,9 +164,9 @@ def make_call(fn, context, q, k, v, do, mode: str):
     return call
 
 
-def run_case(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str, rounds: int,
-             iters: int, flush_l2: bool = False) -> dict[str, dict[str, float]]:
-    """{method: {row: median µs per call}} of one case; a method that cannot run it is left out with a note."""
+def make_calls(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str) -> dict:
+    """{method: one call of the case (make_call)} on (B, T, H, D) bf16 inputs of bench/kernel.py's shape; a method
+    that cannot run the case is left out with a note."""
     batch, heads = bk.shape_for(seqlen, hd)
     calls = {}
     for method in methods:
@@ -177,10 +177,19 @@ def run_case(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str, 
             print(f"note: {method} skipped: {e}")
             continue
         calls[method] = make_call(fn, context, q, k, v, do, mode)
-    flush = None
-    if flush_l2:
-        cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-        flush = cache.zero_
+    return calls
+
+
+def l2_flush():
+    """do_bench's L2 flush: zeroing a FLUSH_BYTES buffer, as a callable."""
+    return torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda").zero_
+
+
+def run_case(methods: list[str], hd: int, causal: bool, seqlen: int, mode: str, rounds: int,
+             iters: int, flush_l2: bool = False) -> dict[str, dict[str, float]]:
+    """{method: {row: median µs per call}} of one case; a method that cannot run it is left out with a note."""
+    calls = make_calls(methods, hd, causal, seqlen, mode)
+    flush = l2_flush() if flush_l2 else None
     per_round: dict[str, list[dict[str, float]]] = {m: [] for m in calls}
     for _round in range(rounds):
         for method, call in calls.items():
