@@ -8,7 +8,8 @@ partial last block costs as much as a whole one:
     cost(T, Bc) = ceil(T / Bc) * (Bc + turn_keys)
 
 The 192-key blocks run where cost(T, 192) < cost(T, 128); the model's time ratio of the 128-key blocks over the
-192-key ones is cost(T, 128) / cost(T, 192). With `--measured CSV` (rows hd, keys, t128_over_t192, ...: the medians of
+192-key ones is cost(T, 128) / cost(T, 192). Head dims 81-96 choose between 144- and 128-key blocks the same way
+(`--wide 144`). With `--measured CSV` (rows hd, keys, t128_over_t192, ...: the medians of
 the two tiles timed beside each other, e.g. bench/results/stage3_rounds/v47/tile_ratios.csv) it prints each row beside
 the model and where the model's choice was the slower tile; `--plot PNG` draws both against the keys.
 
@@ -17,6 +18,7 @@ keys), which at hd128 orders the tiles as kLongKeys does: the 128-key blocks bel
 above (results.md section 39; the causal diagonal's masking is not counted).
 
     python bench/turn_model.py                                   # the choice and the ratio, 128 to 4096 keys
+    python bench/turn_model.py --wide 144                        # the same for hd81-96's 144-key blocks
     python bench/turn_model.py --causal                          # the same for causal calls, 128 to 16384 keys
     python bench/turn_model.py --measured bench/results/stage3_rounds/v47/tile_ratios.csv --plot fig.png
 """
@@ -35,6 +37,7 @@ sys.path.insert(0, str(REPO))  # `python bench/turn_model.py` from anywhere impo
 
 TURN_KEYS = 24  # FLASH_FWD_TURN_KEYS's default
 WIDE, NARROW = 192, 128  # the two tiles' key blocks (HopperFwdConfig<128>, the hd96 config's head dims up to 80)
+WIDE_HD96 = 144  # the hd96 config's DenseTraits, head dims 81-96 (FLASH_FWD_HD96_BC144)
 
 
 def turns_cost(keys: int, block_keys: int, turn_keys: int = TURN_KEYS) -> int:
@@ -42,14 +45,14 @@ def turns_cost(keys: int, block_keys: int, turn_keys: int = TURN_KEYS) -> int:
     return math.ceil(keys / block_keys) * (block_keys + turn_keys)
 
 
-def wider_blocks_pay(keys: int, turn_keys: int = TURN_KEYS) -> bool:
-    """What wider_blocks_pay returns for the 192- and 128-key tiles."""
-    return turns_cost(keys, WIDE, turn_keys) < turns_cost(keys, NARROW, turn_keys)
+def wider_blocks_pay(keys: int, turn_keys: int = TURN_KEYS, wide: int = WIDE) -> bool:
+    """What wider_blocks_pay returns for the `wide`- and 128-key tiles."""
+    return turns_cost(keys, wide, turn_keys) < turns_cost(keys, NARROW, turn_keys)
 
 
-def predicted_ratio(keys: int, turn_keys: int = TURN_KEYS) -> float:
-    """The model's time of the 128-key blocks over the 192-key ones (> 1: the wider blocks are faster)."""
-    return turns_cost(keys, NARROW, turn_keys) / turns_cost(keys, WIDE, turn_keys)
+def predicted_ratio(keys: int, turn_keys: int = TURN_KEYS, wide: int = WIDE) -> float:
+    """The model's time of the 128-key blocks over the `wide`-key ones (> 1: the wider blocks are faster)."""
+    return turns_cost(keys, NARROW, turn_keys) / turns_cost(keys, wide, turn_keys)
 
 
 def causal_predicted_ratio(keys: int, turn_keys: int = TURN_KEYS, rows: int = NARROW) -> float:
@@ -143,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured", type=Path, help="CSV of measured ratios (hd, keys, t128_over_t192)")
     parser.add_argument("--plot", type=Path, help="draw the measured rows against the model (needs --measured)")
     parser.add_argument("--causal", action="store_true", help="the count summed over a causal grid's query tiles")
+    parser.add_argument("--wide", type=int, choices=(WIDE, WIDE_HD96), default=WIDE,
+                        help="the wider tile's key blocks in the table: 192 (hd128, head dims up to 80) or 144 "
+                             "(head dims 81-96)")
     args = parser.parse_args(argv)
     if args.plot and not args.measured:
         parser.error("--plot draws measured rows: give --measured CSV")
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--plot needs matplotlib (pip install matplotlib)")
     if args.causal and args.measured:
         parser.error("--measured rows are dense non-causal calls: leave out --causal")
+    if args.wide != WIDE and (args.causal or args.measured):
+        parser.error("--wide 144 is the dense non-causal table's: causal calls and the measured rows are 192's")
     if args.causal:
         print(f"{'keys':>6} {'model 128/192, causal':>22}")
         for t in (512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2560, 3072, 4096, 8192, 16384):
@@ -161,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             print(f"figure: {plot(rows, args.plot, args.turn_keys)}")
         return 0
-    print(f"{'keys':>6} {'tile':>5} {'model 128/192':>14}")
+    print(f"{'keys':>6} {'tile':>5} {f'model 128/{args.wide}':>14}")
     for t in range(128, 4097, 64):
-        print(f"{t:>6} {WIDE if wider_blocks_pay(t, args.turn_keys) else NARROW:>5} "
-              f"{predicted_ratio(t, args.turn_keys):>14.3f}")
+        print(f"{t:>6} {args.wide if wider_blocks_pay(t, args.turn_keys, args.wide) else NARROW:>5} "
+              f"{predicted_ratio(t, args.turn_keys, args.wide):>14.3f}")
     return 0
 
 

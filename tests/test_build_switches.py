@@ -78,7 +78,9 @@ TILE_SWITCHES = [  # (switch, an instantiation file whose tiles it changes, its 
     # a producer + 3 consumers; the causal hd80 tile has them too
     ("FLASH_FWD_HD96_P_SMEM", "flash_fwd_hdim96_bf16.cu", 1, ".maxntid 512, 1, 1", ["FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     ("FLASH_BWD_NARROW_DQ", "flash_bwd_hdim96_bf16.cu", 1, WGMMA + "m64n32k16", ["FLASH_BWD_HD96_SW64=0"]),
-    ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", []),
+    # the 144-key tiles: hd80's causal one and hd96's dense non-causal one, each with the other held off
+    ("FLASH_FWD_HD80_CAUSAL_3WG", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", ["FLASH_FWD_HD96_BC144=0"]),
+    ("FLASH_FWD_HD96_BC144", "flash_fwd_hdim96_bf16.cu", 1, WGMMA + "m64n144k16", ["FLASH_FWD_HD80_CAUSAL_3WG=0"]),
     ("FLASH_FWD_HD96_SW64", "flash_fwd_hdim96_bf16.cu", 1, has_sw64_desc, []),
     ("FLASH_BWD_HD96_SW64", "flash_bwd_hdim96_bf16.cu", 1, has_sw64_desc, []),
     # not a tile: the persistent hd64 backward, whose dK_j and dV_j leave by TMA stores (one block per tile: threads')
@@ -135,8 +137,9 @@ def test_the_causal_hd80_tile_takes_q_and_k_80_wide_and_v_96_wide(device_ptx):
     """FLASH_HD80_TAIL in the forward's causal 192 x 144 tile (FLASH_FWD_HD80_CAUSAL_3WG): Q and K 80 wide, their fifth
     k16 step through SW32 descriptors, and V 96 wide in SW64, so that O += P V is one n80 wgmma per k-step reading P
     from shared memory once (no n16); with the switch off, all three 96 wide in SW64, no SW32 descriptor."""
-    tile = "ELi144ELi2E"  # 144-key blocks on 2 stages: only this tile
-    builds = device_ptx.each("flash_fwd_hdim96_bf16.cu", [], ["FLASH_HD80_TAIL=0"])
+    tile = "ELi144ELi2E"  # 144-key blocks on 2 stages: only this tile, with hd96's non-causal one held off
+    builds = device_ptx.each("flash_fwd_hdim96_bf16.cu", ["FLASH_FWD_HD96_BC144=0"],
+                             ["FLASH_HD80_TAIL=0", "FLASH_FWD_HD96_BC144=0"])
     (on,), (off,) = (_kernels(ptx, tile) for ptx in builds)
     assert "HopperFwdTraitsILi80ELi144E" in _name(on) and "HopperFwdTraitsILi96ELi144E" in _name(off)
     assert _desc_layouts(on) == {2, 3} and _desc_layouts(off) == {2}
@@ -147,6 +150,16 @@ def test_the_causal_hd80_tile_takes_q_and_k_80_wide_and_v_96_wide(device_ptx):
 UNMASKED = "EEELb0ELb0EEEv"  # a forward kernel's mangled template tail: neither causal nor varlen / local
 HD128_BC192 = "HopperFwdTraitsILi128ELi192ELi2E"  # hd128's forward tile on 192-key blocks, in a mangled name
 HD128_BC128 = "HopperFwdTraitsILi128ELi128ELi3E"  # and on 128-key blocks
+
+
+def test_hd96s_144_key_tile_runs_dense_non_causal_calls_only(device_ptx):
+    """FLASH_FWD_HD96_BC144: of the hd96 file's kernels on 96-wide Q K^T, one runs 144-key blocks (the config's
+    DenseTraits), the dense non-causal one; causal and varlen / local calls keep the 128-key tile; off, none."""
+    tile = "HopperFwdTraitsILi96ELi144ELi2E"  # 96-wide tiles, 144-key blocks on 2 stages
+    on, off = device_ptx.each("flash_fwd_hdim96_bf16.cu", [], ["FLASH_FWD_HD96_BC144=0"])
+    (kernel,) = _kernels(on, tile)
+    assert UNMASKED in _name(kernel) and WGMMA + "m64n144k16" in kernel, _name(kernel)
+    assert _kernels(off, tile) == []
 
 
 def _name(kernel: str) -> str:

@@ -22,6 +22,14 @@ def test_wider_blocks_pay(keys, wide):
     assert m.wider_blocks_pay(keys) is wide
 
 
+@pytest.mark.parametrize("keys,wide", [(1024, False), (1152, True), (1536, False), (2048, False), (3000, True),
+                                       (4096, False), (4608, True), (5376, False), (8192, True), (16384, True)])
+def test_hd96s_144_key_blocks_pay_where_their_turns_cost_less(keys, wide):
+    # the lengths results.md section 58 timed: 144-key blocks at 8k and 16k, not at 1k, 2k or 4k
+    assert m.wider_blocks_pay(keys, wide=m.WIDE_HD96) is wide
+    assert (m.predicted_ratio(keys, wide=m.WIDE_HD96) > 1) is wide
+
+
 def test_a_large_turn_runs_the_wider_blocks_wherever_they_take_fewer_turns():
     wide = [t for t in range(1, 4097) if m.wider_blocks_pay(t, turn_keys=100000)]
     assert wide == list(range(129, 193)) + list(range(257, 4097))
@@ -51,6 +59,12 @@ def test_main_prints_the_table_and_draws_the_figure(tmp_path, capsys):
     assert m.main([]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["keys", "tile", "model", "128/192"] and len(out) == 1 + (4096 - 128) // 64 + 1
+    assert m.main(["--wide", "144"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["keys", "tile", "model", "128/144"]
+    assert {line.split()[1] for line in out[1:]} == {"128", "144"}
+    with pytest.raises(SystemExit):
+        m.main(["--wide", "144", "--causal"])
     assert m.main(["--measured", str(MEASURED)]) == 0
     assert "rows: the model's tile the slower one in" in capsys.readouterr().out
     pytest.importorskip("matplotlib")

@@ -71,7 +71,8 @@ cudaError_t launch_fwd_hopper_tiles(const FwdParams& params, cudaStream_t stream
 }
 
 // The Hopper kernel of HopperFwdConfig for this input: for head dims up to its kNarrowDim its NarrowTraits (dense
-// causal calls: CausalNarrowOf) and NarrowShortTraits, else its Traits and ShortTraits (hopper_kernel_traits.h).
+// causal calls: CausalNarrowOf) and NarrowShortTraits, else its Traits (dense non-causal calls: DenseLongOf) and
+// ShortTraits (hopper_kernel_traits.h).
 template <typename Config, bool kIsCausal, bool kVarlenOrLocal = false>
 cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t stream) {
     if constexpr (NarrowDimOf<Config>::value > 0) {
@@ -82,8 +83,10 @@ cudaError_t launch_fwd_hopper_config(const FwdParams& params, cudaStream_t strea
                                            kVarlenOrLocal>(params, stream);
         }
     }
-    return launch_fwd_hopper_tiles<typename Config::Traits, typename Config::ShortTraits, Config::kLongKeys, kIsCausal,
-                                   kVarlenOrLocal>(params, stream);
+    using Long = std::conditional_t<kIsCausal || kVarlenOrLocal, typename Config::Traits,
+                                    typename DenseLongOf<Config>::type>;
+    return launch_fwd_hopper_tiles<Long, typename Config::ShortTraits, Config::kLongKeys, kIsCausal, kVarlenOrLocal>(
+        params, stream);
 }
 
 template <typename Element, int kHeadDim>

@@ -234,6 +234,11 @@ struct HopperFwdTraits {
 // without it ran slower than two; a turn's matmuls at hd96 are 3/4 of hd128's against the same softmax, which a ring
 // of three hides.
 // FLASH_NARROW_HD80's twins keep the two-warpgroup tiles: on this one they were no faster.
+// FLASH_FWD_HD96_BC144 (on; with FLASH_FWD_HD96_P_SMEM and FLASH_FWD_HD96_SW64): dense non-causal calls at head dims
+// 81-96 on that tile with 144-key blocks (FA4's non-causal tile there; the config's DenseTraits, 216 KB) where their
+// turns cost less than 128-key ones' (wider_blocks_pay): a ninth fewer turns per key. Non-causal hd96 forward
+// 1.01-1.03 x at 8k-16k keys in three runs (docs/results.md, section 58). Causal calls keep the 128-key blocks:
+// on 144 they ran 0.97-1.03 x at 2k-16k keys (one run).
 // FLASH_HD80_TAIL (on; the forward's and the backward's hd80 twins, FLASH_NARROW_HD80): Q, K and V (and dO) tiles 80
 // columns wide, 64 in SW128 and the last 16 in SW32 (TileLayout, hopper_utils.cuh), instead of 96 in SW64 (forward)
 // or 128 in SW128 (backward): TMA lands a 64-row tile in 342 cycles against 509 and 443 with every SM loading
@@ -244,9 +249,10 @@ struct HopperFwdTraits {
 // FLASH_FWD_HD96_SW64 (on): the hd96 configs' Q, K and V tiles 96 columns wide in the SW64 layout instead of 128
 // in SW128: TMA writes a quarter fewer bytes per stage (the quarter it drops holds only zeros), and the tiles take
 // 3/4 of the shared memory (169 KB for the two-warpgroup tiles, 225 KB in SW128). The forward at head dims 81-96 runs
-// 2% faster, at 65-80 about 1% (docs/results.md, section 29). 144-key blocks on the three-warpgroup tile (FA3's and
-// FA4's tile there), which the freed shared memory admits, gain nothing beyond the noise at hd81-96 or non-causal
-// hd65-80; causal hd65-80 from kLongKeys keys runs them (FLASH_FWD_HD80_CAUSAL_3WG below).
+// 2% faster, at 65-80 about 1% (docs/results.md, section 29). The freed shared memory admits 144-key blocks on the
+// three-warpgroup tile (FA3's and FA4's tile there): non-causal hd81-96 (FLASH_FWD_HD96_BC144 above) and causal
+// hd65-80 from kLongKeys keys (FLASH_FWD_HD80_CAUSAL_3WG below) run them; on non-causal hd65-80 they gain nothing
+// beyond the noise.
 #ifndef FLASH_FWD_INTRA_WG_OVERLAP
 #define FLASH_FWD_INTRA_WG_OVERLAP 1
 #endif
@@ -267,6 +273,9 @@ struct HopperFwdTraits {
 #endif
 #ifndef FLASH_FWD_HD96_P_SMEM
 #define FLASH_FWD_HD96_P_SMEM 1
+#endif
+#ifndef FLASH_FWD_HD96_BC144
+#define FLASH_FWD_HD96_BC144 1
 #endif
 #ifndef FLASH_FWD_HD96_SW64
 #define FLASH_FWD_HD96_SW64 1
@@ -297,6 +306,7 @@ constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 constexpr bool kFwdHd96PSmem = FLASH_FWD_HD96_P_SMEM != 0;
+constexpr bool kFwdHd96Bc144 = FLASH_FWD_HD96_BC144 != 0;
 constexpr int kFwdHd96Span = FLASH_FWD_HD96_SW64 != 0 ? 64 : 128;  // the hd96 configs' Q, K, V SwizzleSpan
 // Their tile width: head dim 96 rounded up to whole column blocks of that span (96 in SW64, 128 in SW128).
 constexpr int kFwdHd96Block = SwizzleSpan<kFwdHd96Span>::kBlockElems;
@@ -326,6 +336,12 @@ template <typename Config>
 struct CausalNarrowOf<Config, std::void_t<typename Config::CausalNarrowTraits>> {
     using type = typename Config::CausalNarrowTraits;
 };
+// The tile of dense non-causal calls with head dims above a Hopper config's kNarrowDim, where its turns cost less
+// than ShortTraits': its DenseTraits where it names one, else its Traits.
+template <typename Config, typename = void>
+struct DenseLongOf { using type = typename Config::Traits; };
+template <typename Config>
+struct DenseLongOf<Config, std::void_t<typename Config::DenseTraits>> { using type = typename Config::DenseTraits; };
 // Whether a dense non-causal call over seqlen_k keys runs Long's wider key blocks rather than Short's: where Long's
 // turns cost less, each its block's keys plus FLASH_FWD_TURN_KEYS, a partial last block as much as a whole one.
 template <typename Long, typename Short>
@@ -380,6 +396,11 @@ template <typename E> struct HopperFwdConfig<96, E> {
     static constexpr int kVDim = kFwdNarrowPv ? 96 : kW;
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
+#if FLASH_FWD_HD96_BC144 && FLASH_FWD_HD96_P_SMEM && FLASH_FWD_HD96_SW64
+    // FLASH_FWD_HD96_BC144: dense non-causal calls at head dims 81-96, where its turns cost less (wider_blocks_pay),
+    // on FA4's tile there, the three-warpgroup tile on 144-key blocks: in SW64's 96-column tiles only, 216 KiB.
+    using DenseTraits = HopperFwdTraits<kW, 144, 2, E, 96, 3, true, kVDim, true, kSpan>;
+#endif
     static constexpr int kLongKeys = 2048;  // causal, varlen, windowed calls: Long from here (launch_fwd_hopper_tiles)
     // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
     static constexpr int kNarrowDim = kNarrowHd80Dim;
