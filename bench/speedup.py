@@ -11,9 +11,12 @@ reported too: a cell whose every round is above 1 gained in each of them.
     python bench/speedup.py run.json --new ours_candidate --old ours     # the other way round
     python bench/speedup.py run.json --mode bwd --hdims 64 128 --cells   # one line per cell, each run's value
     python bench/speedup.py varlen.json                                  # bench/kernel.py --varlen --candidate rows
+    python bench/speedup.py hd64.json hd128.json --parts --new ours --old fa4  # one run saved in parts, against FA4
 
 The table has a row per head dim and a column per sequence length, each cell "causal / non-causal"; rows of the
---varlen grids (document-masked and sliding-window) get a row per cell and a geometric mean over them.
+--varlen grids (document-masked and sliding-window) get a row per cell and a geometric mean over them. A last line
+counts the cells at or above 1.00 and takes the geometric mean over all of them. --parts reads the files as parts of
+one run (bench/kernel.py run once per head dim, say) instead of runs of the same cells.
 """
 
 from __future__ import annotations
@@ -113,6 +116,13 @@ def varlen_table(cells: dict[tuple, dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(cells: dict[tuple, dict]) -> str:
+    """How many cells are at or above 1.00, of how many, and the geometric mean over all of them."""
+    values = [v["speedup"] for v in cells.values()]
+    return (f"{sum(x >= 1.0 for x in values)} of {len(values)} cells at or above 1.00; geometric mean "
+            f"{statistics.geometric_mean(values):.3f}")
+
+
 def cell_lines(cells: dict[tuple, dict]) -> str:
     out = []
     for d, v in named(cells):
@@ -131,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", nargs="+", default=None, help="only these modes (fwd, bwd, fwd_bwd)")
     p.add_argument("--hdims", nargs="+", type=int, default=None, help="only these head dims")
     p.add_argument("--cells", action="store_true", help="one line per cell with each run's value, after the table")
+    p.add_argument("--parts", action="store_true",
+                   help="the files are parts of one run (e.g. one per head dim), not runs of the same cells")
     args = p.parse_args(argv)
     if args.new == args.old:
         p.error(f"--new and --old are both {args.new!r}")
@@ -139,14 +151,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs = []
+    files = []
     for path in args.results:
         try:
             rows = json.loads(path.read_text())["results"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             sys.exit(f"bench/speedup.py: {path}: not a bench/kernel.py result file ({e})")
-        rows = [r for r in rows if (args.mode is None or r.get("mode") in args.mode)
-                and (args.hdims is None or r.get("hd") in args.hdims)]
+        files.append((path, [r for r in rows if (args.mode is None or r.get("mode") in args.mode)
+                             and (args.hdims is None or r.get("hd") in args.hdims)]))
+    if args.parts:
+        seen: dict[tuple, int] = {}
+        for n, (path, rows) in enumerate(files):
+            for r in rows:
+                key = (cell_key(r), r.get("method"))
+                if seen.setdefault(key, n) != n:
+                    sys.exit(f"bench/speedup.py: {path} and {files[seen[key]][0]} both time {r.get('method')} in "
+                             f"cell {dict(zip(CELL_KEYS, key[0]))}: parts of one run do not overlap (runs of the "
+                             "same cells: leave out --parts)")
+        files = [(", ".join(str(p) for p, _ in files), [r for _, rows in files for r in rows])]
+    runs = []
+    for path, rows in files:
         try:
             runs.append(round_speedups(rows, args.new, args.old))
         except ValueError as e:
@@ -157,6 +181,7 @@ def main(argv=None) -> int:
     print(f"{args.new} over {args.old}: median of per-round speed-ups (old ms / new ms), then the median over "
           f"{len(runs)} run(s)\n")
     print(table(cells))
+    print(summary(cells))
     if args.cells:
         print(cell_lines(cells))
     return 0

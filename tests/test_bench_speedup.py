@@ -120,3 +120,18 @@ def test_varlen_rows_keep_their_cases_apart(tmp_path, capsys):
     assert "| window | T8192 | 256 | 128 | 0.833 | 0.833 |" in out
     assert f"geometric mean over 3 cells: {(1 / 1.1 / 0.9 / 1.2) ** (1 / 3):.3f}" in out
     assert "bwd hd128 causal docs fixed1k w-1: 0.909" in out and "head dim | 1k" not in out
+
+
+def test_parts_of_one_run_combine_and_the_summary_counts_the_cells(tmp_path, capsys):
+    # One run saved per head dim: as runs their cells do not overlap, as --parts they make one table.
+    hd64 = write(tmp_path, "hd64.json", [row("ours", [1.0]), row("fa4", [1.1]),
+                                         row("ours", [1.0], seqlen=2048), row("fa4", [1.0], seqlen=2048)])
+    hd128 = write(tmp_path, "hd128.json", [row("ours", [1.0], hd=128), row("fa4", [0.9], hd=128)])
+    with pytest.raises(SystemExit, match="no cell has both 'ours' and 'fa4' in every file"):
+        sp.main([str(hd64), str(hd128), "--old", "fa4"])
+    assert sp.main([str(hd64), str(hd128), "--old", "fa4", "--parts"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64 | 1.100 / - | 1.000 / - |" in out and "| 128 | 0.900 / - | - / - |" in out
+    assert f"2 of 3 cells at or above 1.00; geometric mean {(1.1 * 1.0 * 0.9) ** (1 / 3):.3f}" in out
+    with pytest.raises(SystemExit, match="both time ours in cell .*leave out --parts"):
+        sp.main([str(hd64), str(hd64), "--old", "fa4", "--parts"])
