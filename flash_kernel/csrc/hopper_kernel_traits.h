@@ -306,7 +306,6 @@ constexpr bool kFwdIntraWgOverlapHd64 = FLASH_FWD_INTRA_WG_OVERLAP_HD64 != 0;
 constexpr bool kFwdNarrowPv = FLASH_FWD_NARROW_PV != 0;
 constexpr bool kFwdHd96Bc192 = FLASH_FWD_HD96_BC192 != 0;
 constexpr bool kFwdHd96PSmem = FLASH_FWD_HD96_P_SMEM != 0;
-constexpr bool kFwdHd96Bc144 = FLASH_FWD_HD96_BC144 != 0;
 constexpr int kFwdHd96Span = FLASH_FWD_HD96_SW64 != 0 ? 64 : 128;  // the hd96 configs' Q, K, V SwizzleSpan
 // Their tile width: head dim 96 rounded up to whole column blocks of that span (96 in SW64, 128 in SW128).
 constexpr int kFwdHd96Block = SwizzleSpan<kFwdHd96Span>::kBlockElems;
@@ -387,8 +386,8 @@ template <typename E> struct HopperFwdConfig<96, E> {
                                     fwd_hd96_span(kQK)>;
     // FLASH_FWD_HD96_P_SMEM: 192 x 128 on three warpgroups, P through shared memory, at every length, for Q K^T over
     // 96 columns (head dims 81-96) only.
-    template <int kQK, int kV>
-    using Tile3Wg = HopperFwdTraits<kW, 128, 2, E, kQK, 3, true, kV, true, kSpan>;
+    template <int kQK, int kV, int kBlockN = 128>
+    using Tile3Wg = HopperFwdTraits<kW, kBlockN, 2, E, kQK, 3, true, kV, true, kSpan>;
     template <int kQK, int kV>
     using Short = std::conditional_t<fwd_hd96_p_smem(kQK), Tile3Wg<kQK, kV>, Tile128<kQK, kV>>;
     template <int kQK, int kV>
@@ -397,9 +396,8 @@ template <typename E> struct HopperFwdConfig<96, E> {
     using ShortTraits = Short<96, kVDim>;
     using Traits = Long<96, kVDim>;
 #if FLASH_FWD_HD96_BC144 && FLASH_FWD_HD96_P_SMEM && FLASH_FWD_HD96_SW64
-    // FLASH_FWD_HD96_BC144: dense non-causal calls at head dims 81-96, where its turns cost less (wider_blocks_pay),
-    // on FA4's tile there, the three-warpgroup tile on 144-key blocks: in SW64's 96-column tiles only, 216 KiB.
-    using DenseTraits = HopperFwdTraits<kW, 144, 2, E, 96, 3, true, kVDim, true, kSpan>;
+    // FLASH_FWD_HD96_BC144 (above): dense non-causal calls on Tile3Wg's 144-key blocks, 216 KiB in SW64's tiles.
+    using DenseTraits = Tile3Wg<96, kVDim, 144>;
 #endif
     static constexpr int kLongKeys = 2048;  // causal, varlen, windowed calls: Long from here (launch_fwd_hopper_tiles)
     // FLASH_NARROW_HD80: the same tiles with Q K^T and P V over 80 columns, for head dims up to 80.
