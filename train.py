@@ -80,7 +80,15 @@ def init_device(trainer: L.Trainer):
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit the model described by `cfg`; returns the final logged metrics (floats)."""
+    """Fit the model described by `cfg`; returns the final logged metrics (floats). On several ranks, the process
+    groups and their threads have ended when it returns."""
+    metrics = fit(cfg)
+    release_process_group()  # every rank is past fit, whose trainer and model (they hold the groups) are garbage
+    return metrics
+
+
+def fit(cfg: DictConfig) -> dict[str, Any]:
+    """train() up to the end of the run: the fit, the final metrics and the run summary."""
     check_types(cfg)
     launcher = detect_launcher()
     run_dir_key = "output_dir" if cfg.get("output_dir") else "hydra.run.dir"
@@ -118,7 +126,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for cb in trainer.callbacks:
         metrics.update(getattr(cb, "last_metrics", {}))
     write_run_summary(trainer, metrics, Path(cfg.output_dir))
-    release_process_group()  # every rank is past fit: no collective is left to run
     return metrics
 
 

@@ -12,8 +12,10 @@ ${launch_nodes:}) and recipe/checks.py can refuse a launch that cannot work befo
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Mapping
@@ -140,12 +142,30 @@ def output_dir(cfg) -> str:
 
 
 def release_process_group() -> None:
-    """Destroy torch.distributed's default process group where one exists, at the end of a run. Lightning destroys
-    an NCCL group at exit (an atexit handler) but leaves gloo's (CPU ranks), whose worker threads the interpreter's
-    teardown can then destroy while they are still joinable: the process aborts ("terminate called without an
-    active exception", exit status -6) after the run has finished and written everything."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    """Destroy torch.distributed's process groups at the end of a run and end their threads while the interpreter
+    still runs: gloo's workers and transport loops, and the rendezvous store's server on the rank that hosts it.
+    Two-rank CPU runs that left them to the interpreter's teardown now and then aborted there, after finishing and
+    writing everything ("terminate called without an active exception", exit status -6).
+
+    A group's threads end with its last reference. destroy_process_group drops torch.distributed's own; the others:
+      - DDP's reducer and FSDP2's parameter groups, in the trainer's and the model's reference cycles: the caller
+        lets go of them, and the collection here frees them;
+      - FSDP2's device meshes, which DTensor's sharding and redistribution caches keep for the life of the
+        process: each mesh still alive lets go of its groups (`_pg_registry`, where this torch has one).
+    tests/test_launch.py checks that no thread of torch.distributed is left in either rank of a DDP and an FSDP2
+    run."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    torch.distributed.destroy_process_group()
+    gc.collect()
+    if "torch.distributed.device_mesh" in sys.modules:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for mesh in (obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)):
+            groups = getattr(mesh, "_pg_registry", None)
+            if isinstance(groups, dict):
+                groups.clear()
+        gc.collect()
 
 
 def describe_launch(trainer, launcher: Launcher) -> str:

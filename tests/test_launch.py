@@ -178,6 +178,28 @@ def test_a_run_releases_its_process_group_and_a_run_without_one_is_unaffected():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists a process's threads from Linux's /proc")
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp2"])
+def test_a_two_rank_run_ends_every_thread_of_torch_distributed(data_cache, tmp_path, trainer):
+    """When train() returns, neither rank of a two-rank CPU launch (rank 0 hosts the rendezvous store) runs a thread
+    of torch.distributed: gloo's workers (pt_gloo_runloop) and transport loops (gloo_tcp_loop), the store's server
+    (pt_tcpstore_uv). The FSDP2 run writes a sharded checkpoint, whose DTensor caches keep the device mesh. Left to
+    the interpreter's teardown, these threads now and then aborted such a run at exit (status -6)."""
+    cmd = [sys.executable, "tests/threads_after_train.py",
+           *tiny_run_overrides(data_cache, tmp_path, "logger=none", "trainer.accelerator=cpu", "trainer.precision=32-true",
+                               f"trainer={trainer}", "trainer.devices=2", "trainer.max_steps=2", "ckpt_every=2")]
+    proc = subprocess.run(cmd, cwd=REPO, env=CPU_ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "threads").glob("*.json"))]
+    assert len(ranks) == 2
+    for names in ranks:
+        assert "python" in names  # the listing works: the main thread is there
+        assert not [n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl"))], names
+    if trainer == "fsdp2":
+        assert (tmp_path / "checkpoints" / "step0000002.ckpt").is_dir()
+
+
+@pytest.mark.slow
 def test_plain_launch_on_two_cpu_processes(data_cache, tmp_path):
     """`python train.py trainer.accelerator=cpu trainer.devices=2`: the default trainer, Lightning starts rank 1."""
     cmd = [sys.executable, "train.py", *tiny_run_overrides(data_cache, tmp_path, "logger=csv", "trainer.accelerator=cpu",
