@@ -81,9 +81,17 @@ def init_device(trainer: L.Trainer):
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit the model described by `cfg`; returns the final logged metrics (floats). On several ranks, the process
-    groups and their threads have ended when it returns."""
-    metrics = fit(cfg)
+    groups and their threads have ended when it returns or raises Preempted."""
+    try:
+        metrics = fit(cfg)
+    except Preempted as err:  # every rank stopped at one step boundary: no collective is in flight
+        err.__traceback__ = err.__context__ = None  # fit's frames, which hold the trainer and the model
+        preempted = err
+    else:
+        preempted = None
     release_process_group()  # every rank is past fit, whose trainer and model (they hold the groups) are garbage
+    if preempted is not None:
+        raise preempted
     return metrics
 
 

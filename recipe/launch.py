@@ -161,7 +161,7 @@ def release_process_group() -> None:
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
 
-        for mesh in (obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)):
+        for mesh in (obj for obj in gc.get_objects() if type(obj) is DeviceMesh):  # isinstance warns on some objects
             groups = getattr(mesh, "_pg_registry", None)
             if isinstance(groups, dict):
                 groups.clear()

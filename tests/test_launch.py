@@ -4,8 +4,10 @@ environment; on two GPUs, the plain launch, torchrun and trainer=fsdp at the sam
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,26 +179,58 @@ def test_a_run_releases_its_process_group_and_a_run_without_one_is_unaffected():
             torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists a process's threads from Linux's /proc")
-@pytest.mark.parametrize("trainer", ["ddp", "fsdp2"])
-def test_a_two_rank_run_ends_every_thread_of_torch_distributed(data_cache, tmp_path, trainer):
-    """When train() returns, neither rank of a two-rank CPU launch (rank 0 hosts the rendezvous store) runs a thread
-    of torch.distributed: gloo's workers (pt_gloo_runloop) and transport loops (gloo_tcp_loop), the store's server
-    (pt_tcpstore_uv). The FSDP2 run writes a sharded checkpoint, whose DTensor caches keep the device mesh. Left to
-    the interpreter's teardown, these threads now and then aborted such a run at exit (status -6)."""
+DISTRIBUTED_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")  # name prefixes of torch.distributed's threads
+linux_threads = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads from Linux's /proc")
+
+
+def _threads_after_train(data_cache, out, *extra, signal_after=None):
+    """tests/threads_after_train.py on 2 CPU ranks (Lightning starts rank 1; rank 0 hosts the rendezvous store), sent
+    SIGTERM once `signal_after` exists when given; returns its exit status, its output and each rank's threads."""
     cmd = [sys.executable, "tests/threads_after_train.py",
-           *tiny_run_overrides(data_cache, tmp_path, "logger=none", "trainer.accelerator=cpu", "trainer.precision=32-true",
-                               f"trainer={trainer}", "trainer.devices=2", "trainer.max_steps=2", "ckpt_every=2")]
-    proc = subprocess.run(cmd, cwd=REPO, env=CPU_ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "threads").glob("*.json"))]
+           *tiny_run_overrides(data_cache, out, "logger=none", "trainer.accelerator=cpu", "trainer.precision=32-true",
+                               "trainer.devices=2", *extra)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=CPU_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if signal_after is not None:
+        deadline = time.monotonic() + 300
+        while not signal_after.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=300)
+    return proc.returncode, text, [json.loads(p.read_text()) for p in sorted((out / "threads").glob("*.json"))]
+
+
+def _assert_no_distributed_threads(ranks):
     assert len(ranks) == 2
     for names in ranks:
         assert "python" in names  # the listing works: the main thread is there
-        assert not [n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl"))], names
+        assert not [n for n in names if n.startswith(DISTRIBUTED_THREADS)], names
+
+
+@pytest.mark.slow
+@linux_threads
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp2"])
+def test_a_two_rank_run_ends_every_thread_of_torch_distributed(data_cache, tmp_path, trainer):
+    """When train() returns, neither rank of a two-rank CPU launch runs a thread of torch.distributed: gloo's
+    workers (pt_gloo_runloop) and transport loops (gloo_tcp_loop), the store's server (pt_tcpstore_uv). The FSDP2
+    run writes a sharded checkpoint, whose DTensor caches keep the device mesh. Two-rank runs that left these
+    threads to the interpreter's teardown now and then aborted there (status -6)."""
+    rc, out, ranks = _threads_after_train(data_cache, tmp_path, f"trainer={trainer}", "trainer.max_steps=2",
+                                          "ckpt_every=2")
+    assert rc == 0, out[-3000:]
+    _assert_no_distributed_threads(ranks)
     if trainer == "fsdp2":
         assert (tmp_path / "checkpoints" / "step0000002.ckpt").is_dir()
+
+
+@pytest.mark.slow
+@linux_threads
+def test_a_two_rank_run_stopped_by_sigterm_ends_every_thread_of_torch_distributed(data_cache, tmp_path):
+    """The same when SIGTERM stops a two-rank DDP run (recipe/preemption.py): train() raises Preempted with no
+    torch.distributed thread left in either rank, and the exit status is 143, not an abort's."""
+    rc, out, ranks = _threads_after_train(data_cache, tmp_path, "trainer=ddp", "trainer.max_steps=1000",
+                                          "ckpt_every=2", signal_after=tmp_path / "checkpoints" / "step0000002.ckpt")
+    assert rc == 143 and "stopped by SIGTERM after step" in out, out[-3000:]
+    _assert_no_distributed_threads(ranks)
 
 
 @pytest.mark.slow
