@@ -157,7 +157,6 @@ def release_process_group() -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     torch.distributed.destroy_process_group()
-    gc.collect()
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -165,7 +164,7 @@ def release_process_group() -> None:
             groups = getattr(mesh, "_pg_registry", None)
             if isinstance(groups, dict):
                 groups.clear()
-        gc.collect()
+    gc.collect()
 
 
 def describe_launch(trainer, launcher: Launcher) -> str:

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ import train as train_mod
 from model.checkpoint import CheckpointModelMismatch
 from model.lit_gpt import LitGPT, NonFiniteLossError, ResumeError
 from recipe.checkpoint_files import CheckpointError, atomic_save, checksum_path, verify_checkpoint, verify_or_warn
+from signal_run import signal_once_exists
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY = 8, 4
@@ -84,11 +84,7 @@ def test_signal_mid_run_saves_the_step_exits_nonzero_and_resumes_exactly(referen
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "train.py", *_overrides(reference["cache"], run, "ckpt_every=2")]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = run / "checkpoints" / "step0000002.ckpt"
-    deadline = time.monotonic() + 120
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signum)
+    signal_once_exists(proc, run / "checkpoints" / "step0000002.ckpt", signum, timeout=120)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, out[-3000:]
     name = signal.Signals(signum).name
@@ -110,10 +106,7 @@ def _sigterm_and_resume(cache, tmp_path, common, env, timeout):
         cmd = [sys.executable, "train.py", *_overrides(cache, out, *common, *extra)]
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if signal_after is not None:
-            deadline = time.monotonic() + timeout
-            while not signal_after.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
+            signal_once_exists(proc, signal_after, signal.SIGTERM, timeout)
         out_text, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out_text
 

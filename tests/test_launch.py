@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import train  # noqa: F401  (registers the resolvers)
 from run_overrides import compose_train, tiny_run_overrides
+from signal_run import signal_once_exists
 from two_ranks import free_port
 from recipe import oom
 from recipe.checks import ConfigError, validate_trainer
@@ -191,10 +191,7 @@ def _threads_after_train(data_cache, out, *extra, signal_after=None):
                                "trainer.devices=2", *extra)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=CPU_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if signal_after is not None:
-        deadline = time.monotonic() + 300
-        while not signal_after.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
+        signal_once_exists(proc, signal_after, signal.SIGTERM, timeout=300)
     text, _ = proc.communicate(timeout=300)
     return proc.returncode, text, [json.loads(p.read_text()) for p in sorted((out / "threads").glob("*.json"))]
 

@@ -21,17 +21,13 @@ def main(cfg) -> None:
     try:
         train.train(cfg)
     except train.Preempted as err:
-        list_threads(cfg)
         print(err, file=sys.stderr)
         sys.exit(err.exit_code)
-    list_threads(cfg)
-
-
-def list_threads(cfg) -> None:
-    names = sorted(comm.read_text().strip() for comm in Path("/proc/self/task").glob("*/comm"))
-    out = Path(cfg.output_dir) / "threads"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{os.getpid()}.json").write_text(json.dumps(names))
+    finally:  # train() has returned or raised
+        names = sorted(comm.read_text().strip() for comm in Path("/proc/self/task").glob("*/comm"))
+        out = Path(cfg.output_dir) / "threads"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{os.getpid()}.json").write_text(json.dumps(names))
 
 
 if __name__ == "__main__":
