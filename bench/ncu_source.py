@@ -9,11 +9,20 @@ barrier or wait before it.
     python bench/ncu_source.py profile --methods ours fa4 --hdim 128 --seqlen 8192 --causal 1 --mode bwd  # GPU, ncu
     python bench/ncu_source.py summary v39=bench/results/ncu/source_ours_hd128_T8192_c1_bwd.csv.gz \\
         fa4=bench/results/ncu/source_fa4_hd128_T8192_c1_bwd.csv.gz --top 20                           # anywhere
+    python bench/ncu_source.py summary ours=... fa4=... --opcodes --per 262144   # by kind of instruction, per
+                                                                                 # 64 queries of a 128-key tile
 
 `profile` runs bench/ncu_case.py under `ncu --set full --import-source yes` (the warm-up call skipped, one launch of
 the method's main kernel, ncu_compare.py's patterns), exports the report's source page as CSV (`--page source --csv
 --print-source sass`), gzipped, into bench/results/ncu/ (ignored by git), and prints the summary.
 FLASH_KERNEL_EXT=<a candidate build> makes `ours` that build.
+
+--opcodes adds a table by kind of instruction (the opcode with its modifiers: `HGMMA.64x64x16.F32.BF16`, `STS.64`):
+how many executed, the shared-memory wavefronts they took and how many of those a conflict-free access would not
+have, and their share of the samples. The page counts a wgmma's operand reads from shared memory at its HGMMA, so
+the table shows what each matmul and each load or store costs the shared memory; TMA's writes into it and its reads
+for bulk stores and reduces are on no instruction's line. --per N divides the counts by N (a main loop's iterations,
+or any unit two kernels share).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from bench.ncu_compare import RAW, csv_number, case_command, find_ncu, kernel_fi
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
+WAVEFRONTS = "L1 Wavefronts Shared"  # shared-memory wavefronts (the SourceCounters section's)
+IDEAL = "L1 Wavefronts Shared Ideal"  # what they would be without bank conflicts
 STALL = re.compile(r"^stall_(\w+)$")  # a reason's samples; its "(Not Issued)" twin is left out
 # The instructions a warp waits behind: barriers, wgmma and scoreboard waits, mbarrier tries.
 WAITS = re.compile(r"\b(BAR\.|WARPGROUP\.DEPBAR|DEPBAR|SYNCS\.|BSYNC|WARPSYNC)")
@@ -49,6 +60,8 @@ class Line:
     samples: float
     executed: float
     reasons: dict     # stall reason -> samples
+    wavefronts: float = 0.0  # shared-memory wavefronts (0 where the page has no such column)
+    ideal: float = 0.0       # the wavefronts a conflict-free access would take
 
 
 @dataclass
@@ -87,13 +100,16 @@ def parse_source_csv(text: str, label: str = "") -> View:
     header = rows[0]
     reasons = [(i, m.group(1)) for i, name in enumerate(header) if (m := STALL.match(name))]
     col = {name: i for i, name in enumerate(header)}
+
+    def cell(row: list, name: str) -> float:
+        return _count(row[col[name]]) if name in col else 0.0
+
     lines = []
     for row in rows[1:]:
         if len(row) != len(header):
             continue
-        lines.append(Line(len(lines), row[col["Source"]].strip(), _count(row[col[SAMPLES]]),
-                          _count(row[col[EXECUTED]]) if EXECUTED in col else 0.0,
-                          {name: _count(row[i]) for i, name in reasons}))
+        lines.append(Line(len(lines), row[col["Source"]].strip(), _count(row[col[SAMPLES]]), cell(row, EXECUTED),
+                          {name: _count(row[i]) for i, name in reasons}, cell(row, WAVEFRONTS), cell(row, IDEAL)))
     if not lines:
         raise SystemExit(f"ncu_source: {label or 'the input'} holds no instruction rows")
     return View(label, kernel, lines)
@@ -140,6 +156,37 @@ def summary(view: View, top: int) -> str:
         wait = wait_before(view, line.index)
         out.append(f"| {line.index} | {100 * line.samples / total:.2f} | {line.executed:,.0f} | `{line.sass}` | "
                    f"{said} | {f'`{wait}`' if wait else ''} |")
+    return "\n".join(out)
+
+
+def opcode(sass: str) -> str:
+    """An instruction's opcode with its modifiers, without its predicate: `@!P4 STS.64 [R186], R172` -> `STS.64`."""
+    words = [word for word in sass.split() if not word.startswith("@")]
+    return words[0] if words else ""
+
+
+def by_opcode(view: View, per: float = 1.0) -> str:
+    """The view's instructions by kind: every kind that takes shared-memory wavefronts, most first, then the ten
+    that take none with the most samples, and the sums of all; executed, wavefronts, those above a conflict-free
+    access's, % of samples; counts divided by `per`."""
+    kinds: dict = {}
+    for line in view.lines:
+        kind = kinds.setdefault(opcode(line.sass), [0.0, 0.0, 0.0, 0.0])
+        for i, n in enumerate((line.executed, line.wavefronts, line.wavefronts - line.ideal, line.samples)):
+            kind[i] += n
+    total = view.samples or 1.0
+    unit = "" if per == 1 else f" (per {per:,.0f})"
+    out = [f"### {view.label}: by kind of instruction{unit}", "",
+           "| instruction | executed | shared-memory wavefronts | above conflict-free | % of samples |",
+           "|---|---|---|---|---|"]
+    rows = sorted(kinds.items(), key=lambda kv: (-kv[1][1], -kv[1][3]))
+    shown = [kv for kv in rows if kv[1][1] > 0] + [kv for kv in rows if kv[1][1] <= 0][:10]
+    for name, (executed, waves, excess, samples) in shown:
+        out.append(f"| `{name}` | {executed / per:,.1f} | {waves / per:,.1f} | {excess / per:,.1f} | "
+                   f"{100 * samples / total:.1f} |")
+    sums = [sum(kind[i] for kind in kinds.values()) for i in range(3)]
+    out.append(f"| all {len(kinds)} kinds | {sums[0] / per:,.1f} | {sums[1] / per:,.1f} | {sums[2] / per:,.1f} | "
+               "100.0 |")
     return "\n".join(out)
 
 
@@ -208,7 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     su = sub.add_parser("summary", help="summarize saved source pages ([LABEL=]FILE, .csv or .csv.gz)")
     su.add_argument("inputs", nargs="+", metavar="[LABEL=]FILE")
     su.add_argument("--top", type=int, default=25)
+    for parser in (pr, su):
+        parser.add_argument("--opcodes", action="store_true",
+                            help="also a table by kind of instruction: executed, shared-memory wavefronts, samples")
+        parser.add_argument("--per", type=float, default=1.0, metavar="N",
+                            help="with --opcodes: counts divided by N (a main loop's iterations)")
     args = ap.parse_args(argv)
+    if args.per <= 0:
+        raise SystemExit(f"ncu_source: --per {args.per:g} is not a positive count")
     if args.command == "profile":
         regexes = dict(item.split("=", 1) for item in args.kernel_regex if "=" in item)
         if len(regexes) != len(args.kernel_regex):
@@ -217,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         views = read_views(args.inputs)
     print("\n\n".join(summary(view, args.top) for view in views))
+    if args.opcodes:
+        print("\n\n" + "\n\n".join(by_opcode(view, args.per) for view in views))
     return 0
 
 

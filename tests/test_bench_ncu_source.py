@@ -75,6 +75,44 @@ def test_what_is_not_a_source_page_is_refused(tmp_path):
         ns.parse_source_csv("\n".join(header_only) + "\n")
 
 
+# A page with the SourceCounters section's shared-memory columns: two HGMMAs of one kind (their operand reads), a
+# predicated STS.64 whose bank conflicts take 16 wavefronts more than 32, an FMUL that touches no shared memory.
+SMEM_PAGE = '''"Kernel Name","k"
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","L1 Wavefronts Shared",\
+"L1 Wavefronts Shared Ideal","stall_mio"
+"0x0","      HGMMA.64x64x16.F32.BF16 R152, gdesc[UR8], RZ, !UPT","30","8","256","256","10"
+"0x10","      HGMMA.64x64x16.F32.BF16 R152, gdesc[UR10], R152","20","8","256","256","5"
+"0x20","@!P4  STS.64 [R186], R172","10","16","48","32","10"
+"0x30","      FMUL.FTZ R1, R2, R3","40","64","0","0","0"
+'''.replace("\\\n", "")
+
+
+def test_by_opcode_sums_each_kind_of_instruction_per_unit():
+    assert ns.opcode("@!P4  STS.64 [R186], R172") == "STS.64" and ns.opcode("HGMMA.64x80x16.F32.BF16 R1") == \
+        "HGMMA.64x80x16.F32.BF16"
+    view = ns.parse_source_csv(SMEM_PAGE, "ours")
+    assert (view.lines[2].wavefronts, view.lines[2].ideal) == (48, 32)
+    text = ns.by_opcode(view, per=8)
+    assert [line for line in text.splitlines() if line.startswith("| `")] == [
+        "| `HGMMA.64x64x16.F32.BF16` | 2.0 | 64.0 | 0.0 | 50.0 |",
+        "| `STS.64` | 2.0 | 6.0 | 2.0 | 10.0 |",
+        "| `FMUL.FTZ` | 8.0 | 0.0 | 0.0 | 40.0 |",
+    ]
+    assert "| all 3 kinds | 12.0 | 70.0 | 2.0 | 100.0 |" in text and "(per 8)" in text
+    assert all(line.wavefronts == line.ideal == 0 for line in ns.parse_source_csv(PAGE).lines)  # no such columns
+
+
+def test_summary_prints_the_opcode_table_on_request_and_refuses_a_bad_unit(tmp_path, capsys):
+    page = tmp_path / "ours.csv"
+    page.write_text(SMEM_PAGE)
+    ns.main(["summary", str(page), "--top", "2"])
+    assert "by kind of instruction" not in capsys.readouterr().out
+    ns.main(["summary", f"v58={page}", "--opcodes", "--per", "2"])
+    assert "### v58: by kind of instruction (per 2)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a positive count"):
+        ns.main(["summary", str(page), "--opcodes", "--per", "0"])
+
+
 def test_a_profile_runs_ncu_case_under_ncu_then_exports_the_source_page(tmp_path):
     args = SimpleNamespace(hdim=128, seqlen=8192, causal=1, mode="bwd")
     run, export = ns.profile_commands("ncu", "ours", args, tmp_path / "ours")
@@ -96,6 +134,21 @@ def test_the_committed_profiles_still_read():
     top = ns.hottest(view, 1)[0]
     assert 100 * top.samples / view.samples == pytest.approx(11.59, abs=0.01)
     assert ns.wait_before(view, top.index).endswith("BAR.SYNC.DEFER_BLOCKING 0x0")
+
+
+def test_the_committed_wavefront_counts_still_read():
+    # results.md section 64 quotes these per 64 queries of a 128-key tile (262,144 of them in either kernel's call:
+    # B = 2, 16 heads, 64 key blocks, 8192 queries).
+    where = ns.REPO / "bench" / "results" / "stage3_rounds" / "v58" / "ncu_source_bwd_hd128_nc8k"
+    ours, fa4 = ns.read_views([f"ours={where / 'source_ours_hd128_T8192_c0_bwd.csv.gz'}",
+                               f"fa4={where / 'source_fa4_hd128_T8192_c0_bwd.csv.gz'}"])
+
+    def waves(view, kind):
+        return sum(line.wavefronts for line in view.lines if ns.opcode(line.sass) == kind) / 262144
+
+    assert waves(ours, "HGMMA.64x64x16.F32.BF16") == pytest.approx(1536.0)
+    assert waves(fa4, "HGMMA.64x80x16.F32.BF16") == pytest.approx(1390.5, abs=0.1)
+    assert sum(line.wavefronts - line.ideal for line in ours.lines + fa4.lines) == 0  # no bank conflicts
 
 
 @pytest.mark.gpu
