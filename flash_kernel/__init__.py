@@ -16,7 +16,7 @@ Importing this package never needs CUDA or the built extension; `_C` is loaded o
 `KERNEL_VERSION` names the kernels' version in docs/CHANGELOG.md; benchmark rows record it.
 """
 
-KERNEL_VERSION = "v58"  # docs/CHANGELOG.md: bump with every change that moves the kernels' numbers
+KERNEL_VERSION = "v59"  # docs/CHANGELOG.md: bump with every change that moves the kernels' numbers
 
 from flash_kernel.interface import (
     check_bwd_inputs,

@@ -281,3 +281,26 @@ def test_the_descriptor_pair_switch_builds_each_descriptor_from_two_words(source
     assert kernels and all(DESC_PAIR.search(e) and SW128_DESC_HI.search(e) for e in kernels)
     assert SW128_DESC not in on
     assert device_ptx(source, []) == off, "FLASH_WGMMA_DESC_PAIR's default is not 0"
+
+
+BULK_LOAD = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"  # ld_mma's rows of a query block
+LSE_LOAD = "cp.async.ca.shared.global"  # L_i and D_i, 4 bytes per thread (load_lse_delta)
+
+
+def test_l_and_d_go_through_the_matmuls_in_the_dense_bf16_backward_only(device_ptx):
+    """FLASH_BWD_LD_IN_MMA: the dense Hopper backward kernels of the bf16 files take the query block's rows of ld_mma
+    by bulk copies and add them to S^T and dP^T by a wgmma with A from registers (one per product), with no 4-byte
+    copy of L_i and D_i; the varlen kernel keeps those copies; the fp16 file compiles
+    as without the switch; with the switch off, no bulk copy."""
+    on, off = device_ptx.each("flash_bwd_hdim128_bf16.cu", [], ["FLASH_BWD_LD_IN_MMA=0"])
+    kernels = {_name(k): k for k in _kernels(on, "flash_bwd_hopper_kernel")}
+    assert len(kernels) == 3, list(kernels)  # non-causal, causal, varlen / local
+    for name, kernel in kernels.items():
+        varlen = name.endswith("ELb0ELb1EEEvNS_9BwdParamsENS_13BwdTensorMapsENS_8BwdTilesE")
+        assert (BULK_LOAD in kernel) != varlen and (LSE_LOAD in kernel) == varlen, name
+        register_a = re.findall(WGMMA + r"m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", kernel)
+        # S^T's (issued before the loop and at each iteration's end: kIssueNextSEarly) and dP^T's
+        assert len(register_a) == (0 if varlen else 3), (name, len(register_a))
+    assert all(BULK_LOAD not in k and LSE_LOAD in k for k in _kernels(off, "flash_bwd_hopper_kernel"))
+    fp16_on, fp16_off = device_ptx.each("flash_bwd_hdim128_fp16.cu", [], ["FLASH_BWD_LD_IN_MMA=0"])
+    assert fp16_on == fp16_off

@@ -481,6 +481,21 @@ void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const 
     set_strides(dk_expanded, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
     set_strides(dv_expanded, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     p.delta_ptr = delta.data_ptr<float>();
+    // The dense Hopper backward's L_i and D_i as matmul operands (flash_params.h; used by bf16 builds with
+    // FLASH_BWD_LD_IN_MMA): rows past Tq zeroed here, the others written by the preprocess kernel.
+    at::Tensor ld_mma;
+    if (hopper && !flash::is_varlen_or_local(p) && q.scalar_type() == at::kBFloat16) {
+        const int64_t rows = ceil_div(s.tq, int64_t{flash::kLdMmaRowPad}) * flash::kLdMmaRowPad;
+        ld_mma = at::empty({s.b, s.h, 2, rows, 8}, q.options());
+        if (rows > s.tq) {
+            const size_t row_bytes = 8 * ld_mma.element_size();
+            C10_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(ld_mma.data_ptr()) + s.tq * row_bytes,
+                                             rows * row_bytes, 0, (rows - s.tq) * row_bytes, s.b * s.h * 2,
+                                             at::cuda::getCurrentCUDAStream().stream()));
+        }
+        p.ld_mma_ptr = ld_mma.data_ptr();
+        p.ld_mma_rows = rows;
+    }
     p.dq_accum_ptr = dq_accum.data_ptr<float>();
     p.dq_accum_split_stride = dq_accum.stride(0);
     p.num_splits = num_splits;

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "dq_accum_layout.h"  // dq_accum_chunk: the Hopper backward's dq_accum rows
 #include "flash_params.h"
@@ -101,6 +102,18 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
     }
 }
 
+// One row of BwdParams::ld_mma: x as three values of Element whose sum is x to about 24 bits (an infinite x: x, 0,
+// 0), then five zeros; one 16-byte store.
+template <typename Element>
+__host__ __device__ __forceinline__ void store_ld_mma_row(Element* dst, float x) {
+    const Element hi(x);
+    const float r1 = std::isfinite(x) ? x - static_cast<float>(hi) : 0.f;  // exact: hi is x rounded
+    const Element mid(r1);
+    alignas(16) Element row[8] = {hi, mid, Element(r1 - static_cast<float>(mid))};
+    for (int i = 3; i < 8; ++i) row[i] = Element(0.f);
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(row);
+}
+
 // Alg. 2 line 4: D = rowsum(dO o O) in fp32; and dq_accum's rows of kAccumCols floats (BwdParams::dq_accum_cols)
 // zeroed here (every split), which spares a separate memset of the same bytes, as does the Hopper causal kernel's
 // tile counter. Rows are RowKernelShape's: at hd128 16 threads per row, 16 rows per block. The zero stores go out
@@ -158,6 +171,14 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
 #pragma unroll
     for (int offset = Shape::kRowThreads / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (valid && th.sub == 0) params.delta_ptr[th.row(params)] = acc;
+    if constexpr (!kVarlen && FLASH_BWD_LD_IN_MMA != 0 && std::is_same_v<Element, __nv_bfloat16>) {
+        if (valid && th.sub == 0 && params.ld_mma_ptr != nullptr) {
+            Element* dst = static_cast<Element*>(params.ld_mma_ptr) +
+                           ((static_cast<int64_t>(th.bidb) * params.h + th.bidh) * 2 * params.ld_mma_rows + th.q) * 8;
+            store_ld_mma_row(dst, -params.lse_ptr[th.row(params)] / params.scale_softmax);
+            store_ld_mma_row(dst + params.ld_mma_rows * 8, -acc);
+        }
+    }
 }
 
 // dQ = softmax_scale * sum over splits of dq_accum (rows of kAccumCols floats), cast to the input dtype, written

@@ -115,7 +115,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t sDkv = sK + Traits::kSmemTileBytes;
     float* sLse = reinterpret_cast<float*>(smem + Traits::kSmemTileBytes + kSmemDkvBytes);  // [kNStages][kBlockM]: L_i
     float* sDelta = sLse + kNStages * kBlockM;                              // [kNStages][kBlockM]: D_i
-    float* sdQ = sDelta + kNStages * kBlockM;  // [kDqStages][kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled
+    // FLASH_BWD_LD_IN_MMA (Traits::kLdInMma) in its place: [kNStages][L_i's, D_i's kBlockM rows of ld_mma, 16 bytes
+    // each], then kBlockM rows of zeros: B of the k16 step that adds -L_i / scale to S^T and -D_i to dP^T.
+    constexpr bool kLdInMma = Traits::kLdInMma && !kVarlenOrLocal;
+    constexpr uint32_t kLdRowsBytes = kBlockM * 16;
+    const uint32_t sLd = smem_addr(sLse);
+    const uint32_t sLdZero = sLd + 2 * kNStages * kLdRowsBytes;
+    // [kDqStages][kBlockM][kDqRow]: fp32 dQ_i, 16-byte chunks swizzled
+    float* sdQ = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sLse) + Traits::kSmemRowStatBytes);
     const uint32_t sdQ_addr = smem_addr(sdQ);
     constexpr int kDqRow = Traits::kQKDim;     // floats per row of sdQ and of dq_accum (BwdParams::dq_accum_cols)
     const uint32_t full_kv = sdQ_addr + Traits::kDqStages * Traits::kSmemDqBytes;  // mbarriers: K_j and V_j landed,
@@ -225,6 +232,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int stage = 0; stage < kNStages; ++stage) mbarrier_init(full_qdo(stage), 2);  // Q_i and dO_i
         fence_mbarrier_init();
     }
+    if constexpr (kLdInMma) {
+        uint4* zeros = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(sLse) + 2 * kNStages * kLdRowsBytes);
+        for (int i = tid; i < kBlockM; i += Traits::kNThreads) zeros[i] = make_uint4(0u, 0u, 0u, 0u);
+        fence_view_async_shared();  // read by wgmmas (the async proxy)
+    }
     __syncthreads();
 
     // The query blocks a block loads are numbered over its tiles: the q-th goes to stage q % kNStages, its load the
@@ -235,12 +247,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto load_q_do = [&](const TileView& v, int m_block, int stage) {
         const int row0 = m_block * kBlockM;
         if (loader) {
+            if constexpr (kLdInMma) {
+                // The block's rows of both ld_mma slices, counted on the stage's mbarrier before Q_i's arrival.
+                const unsigned char* rows = static_cast<const unsigned char*>(params.ld_mma_ptr) +
+                    ((static_cast<int64_t>(v.bidb) * params.h + v.bidh) * 2 * params.ld_mma_rows + row0) * 16;
+                const uint32_t dst = sLd + stage * 2 * kLdRowsBytes;
+                mbarrier_expect_tx(full_qdo(stage), 2 * kLdRowsBytes);
+                bulk_load(dst, rows, kLdRowsBytes, full_qdo(stage));
+                bulk_load(dst + kLdRowsBytes, rows + params.ld_mma_rows * 16, kLdRowsBytes, full_qdo(stage));
+            }
             tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ + stage * Traits::kSmemQBytes, &maps.q, &maps.q_tail,
                                                     v.sq.q_row0 + row0, v.bidh, v.batch_coord, full_qdo(stage));
             tma_load_rows<kBlockM, kHeadDim, kSpan>(sdO + stage * Traits::kSmemQBytes, &maps.dO, &maps.do_tail,
                                                     v.sq.q_row0 + row0, v.bidh, v.batch_coord, full_qdo(stage));
         }
-        load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, v.lse, v.delta, row0, v.sq.seqlen_q, tid);
+        if constexpr (!kLdInMma) {
+            load_lse_delta<kBlockM>(sLse + stage * kBlockM, sDelta + stage * kBlockM, v.lse, v.delta, row0,
+                                    v.sq.seqlen_q, tid);
+        }
         cp_async_commit();
     };
     // Alg. 2 lines 7-8 (a key block no query sees loads nothing and writes zeros), and its first two query blocks,
@@ -292,11 +316,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         return make_smem_desc<kTailSpan>(tile + QLayout::kTailOffset, kLbo, TailSpan::kAtomBytes);
     };
 
+    // kLdInMma: the k16 step after them, ones x the stage's rows of one ld_mma slice (`which`: 0 for L_i, 1 for D_i)
+    // and the zeros: a plain K-major operand of 8-row core matrices 128 bytes apart, the zeros its other 8 columns.
+    constexpr uint32_t kOnes = 0x3F803F80u;  // two bf16 1.0s (Traits::kLdInMma: bf16 only)
+    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    auto ld_desc = [&](int stage, int which) {
+        const uint32_t rows = sLd + stage * 2 * kLdRowsBytes + which * kLdRowsBytes;
+        return make_smem_desc_plain(rows, sLdZero - rows, 128);
+    };
     // Lines 11 and 14 are the same product over the head dim, (64 keys of K or V) x (kBlockM rows of Q_i or dO_i)^T,
     // both operands K-major: one wgmma group into acc. The k-steps past the whole column blocks read the narrower last
-    // one (the *_tail descriptors).
+    // one (the *_tail descriptors); kLdInMma, one more step adds -L_i / scale or -D_i to every row (desc_ld).
     auto issue_over_d = [&](float (&acc)[kBlockM / 2], uint64_t desc_kv, uint64_t desc_kv_tail, uint64_t desc_rows,
-                            uint64_t desc_rows_tail) {
+                            uint64_t desc_rows_tail, uint64_t desc_ld) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKStepsD; ++kk) {
@@ -310,6 +342,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                         desc_advance(desc_rows_tail, (kk - kFullKSteps) * 32), kk > 0);
             }
         }
+        if constexpr (kLdInMma) Wgmma<Element, kBlockM>::template rs<0>(acc, ones, desc_ld, 1);
         wgmma_commit();
     };
     // L_i or D_i of this thread's query column 8i + 2t + (e & 1), through the 8-byte pair of columns 8i + 2t and
@@ -323,7 +356,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_wait(full_qdo(stage), (q / kNStages) & 1);
         const uint32_t sQ_st = sQ + stage * Traits::kSmemQBytes;
         issue_over_d(s, desc_k, desc_k_tail, make_smem_desc<kSpan>(sQ_st, 16, Span::kAtomBytes),
-                     rows_tail_desc(sQ_st, std::false_type{}));
+                     rows_tail_desc(sQ_st, std::false_type{}), ld_desc(stage, 0));
     };
 
     BlockTrace<FLASH_BWD_TRACE != 0> trace;  // FLASH_BWD_TRACE: thread 0 stamps each tile's phases (block_trace.h)
@@ -393,7 +426,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             if constexpr (!Traits::kIssueNextSEarly) issue_s(s, q, stage);
             float dp[kBlockM / 2];
             issue_over_d(dp, desc_v, desc_v_tail, make_smem_desc<kSpan>(sdO_st, 16, Span::kAtomBytes),
-                         rows_tail_desc(sdO_st, std::false_type{}));
+                         rows_tail_desc(sdO_st, std::false_type{}), ld_desc(stage, 1));
 
             // Iteration i-1's dQ tile, complete in sdQ since the barrier that closed iteration i-1.
             if (m_block > m_block_min) reduce_dq(m_block - 1);
@@ -442,7 +475,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -kLog2e * query_value(sLse_st, i, e)));
+                    if constexpr (kLdInMma) {
+                        s[4 * i + e] = fast_exp2(s[4 * i + e] * scale_log2);  // S^T already less L_i / scale
+                    } else {
+                        s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], scale_log2, -kLog2e * query_value(sLse_st, i, e)));
+                    }
                 }
             }
             // P^T as the register A operand of line 13 (the accumulators of query columns 16kk..16kk+15 are k-step
@@ -459,7 +496,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int i = 0; i < kNTilesM; ++i) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - query_value(sDelta_st, i, e));
+                for (int e = 0; e < 4; ++e) {
+                    if constexpr (kLdInMma) {
+                        dp[4 * i + e] = s[4 * i + e] * dp[4 * i + e];  // dP^T already less D_i
+                    } else {
+                        dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - query_value(sDelta_st, i, e));
+                    }
+                }
             }
             // dS^T as the register A operand of line 17, and into shared memory for line 16 (keys x queries;
             // iteration i-1's dQ reads of sdS completed before the barrier that closed it).

@@ -8,6 +8,7 @@
 // hd65-96 the second warpgroup's columns stop at 96 with FLASH_BWD_NARROW_DQ).
 #pragma once
 
+#include "flash_params.h"  // FLASH_BWD_LD_IN_MMA
 #include "hopper_kernel_traits.h"  // kWarpgroupThreads, kWarpgroupRows, kMaxSmemBytesSm90
 
 // Build switch for HopperBwdTraits::kDqBeforeDk (on by default; -DFLASH_BWD_DQ_BEFORE_DK=0 builds without it).
@@ -98,7 +99,11 @@ struct HopperBwdTraits {
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;      // one stage of Q or dO, swizzled
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
     static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
-    static constexpr int kSmemRowStatBytes = 2 * kNStages * kBlockM * 4;     // L_i and D_i per stage
+    // FLASH_BWD_LD_IN_MMA (flash_params.h; bf16): per stage the query block's rows of ld_mma's two slices (16 bytes
+    // each: L_i's, then D_i's), then kBlockM rows of zeros, the other 8 columns of their k16 step; else L_i and D_i
+    // per stage as floats (the varlen kernel's, at the same place).
+    static constexpr bool kLdInMma = FLASH_BWD_LD_IN_MMA != 0 && std::is_same_v<Element, __nv_bfloat16>;
+    static constexpr int kSmemRowStatBytes = kLdInMma ? (2 * kNStages + 1) * kBlockM * 16 : 2 * kNStages * kBlockM * 4;
     static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of kQKDim), reduced by iteration i+1
     // sdQ by iteration parity: before the barrier that publishes dS^T_i, the thread issuing the reduces waits for the
     // TMA unit's reads of dQ_{i-2} (one iteration old), not of dQ_{i-1} (issued in this iteration), so that the other

@@ -108,6 +108,12 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_byte_addr, uint
            (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (SwizzleSpan<kSpanBytes>::kDescLayout << 62);
 #endif
 }
+// The descriptor of an operand without swizzle (layout type 0), K-major: 8-row x 16-byte core matrices of 128
+// contiguous bytes, lbo_bytes apart along K and sbo_bytes apart along M or N.
+__device__ __forceinline__ uint64_t make_smem_desc_plain(uint32_t smem_byte_addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
+           (static_cast<uint64_t>(sbo_bytes >> 4) << 32);
+}
 __device__ __forceinline__ uint64_t make_smem_desc_sw128(uint32_t smem_byte_addr, uint32_t lbo_bytes,
                                                         uint32_t sbo_bytes) {
     return make_smem_desc<128>(smem_byte_addr, lbo_bytes, sbo_bytes);
