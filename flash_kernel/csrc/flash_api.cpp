@@ -481,10 +481,10 @@ void run_bwd(const Sizes& s, const at::Tensor& dout, const at::Tensor& q, const 
     set_strides(dk_expanded, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
     set_strides(dv_expanded, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     p.delta_ptr = delta.data_ptr<float>();
-    // The dense Hopper backward's L_i and D_i as matmul operands (flash_params.h; used by bf16 builds with
-    // FLASH_BWD_LD_IN_MMA): rows past Tq zeroed here, the others written by the preprocess kernel.
+    // The dense Hopper backward's L_i and D_i as matmul operands (flash_params.h), where its build takes them so:
+    // rows past Tq zeroed here, the others written by the preprocess kernel.
     at::Tensor ld_mma;
-    if (hopper && !flash::is_varlen_or_local(p) && q.scalar_type() == at::kBFloat16) {
+    if (hopper && !flash::is_varlen_or_local(p) && flash::hopper_bwd_ld_in_mma(p.is_bf16)) {
         const int64_t rows = ceil_div(s.tq, int64_t{flash::kLdMmaRowPad}) * flash::kLdMmaRowPad;
         ld_mma = at::empty({s.b, s.h, 2, rows, 8}, q.options());
         if (rows > s.tq) {

@@ -171,12 +171,11 @@ __global__ void __launch_bounds__(kRowKernelThreads) bwd_preprocess_kernel(const
 #pragma unroll
     for (int offset = Shape::kRowThreads / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (valid && th.sub == 0) params.delta_ptr[th.row(params)] = acc;
-    if constexpr (!kVarlen && FLASH_BWD_LD_IN_MMA != 0 && std::is_same_v<Element, __nv_bfloat16>) {
+    if constexpr (!kVarlen) {  // the binding makes ld_mma for dense calls whose Hopper kernel reads it
         if (valid && th.sub == 0 && params.ld_mma_ptr != nullptr) {
-            Element* dst = static_cast<Element*>(params.ld_mma_ptr) +
-                           ((static_cast<int64_t>(th.bidb) * params.h + th.bidh) * 2 * params.ld_mma_rows + th.q) * 8;
+            Element* dst = static_cast<Element*>(params.ld_mma_ptr) + ld_mma_row(params, th.bidb, th.bidh, th.q);
             store_ld_mma_row(dst, -params.lse_ptr[th.row(params)] / params.scale_softmax);
-            store_ld_mma_row(dst + params.ld_mma_rows * 8, -acc);
+            store_ld_mma_row(dst + params.ld_mma_rows * 8, -acc);  // slice 1
         }
     }
 }

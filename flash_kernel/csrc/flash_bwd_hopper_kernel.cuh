@@ -250,11 +250,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             if constexpr (kLdInMma) {
                 // The block's rows of both ld_mma slices, counted on the stage's mbarrier before Q_i's arrival.
                 const unsigned char* rows = static_cast<const unsigned char*>(params.ld_mma_ptr) +
-                    ((static_cast<int64_t>(v.bidb) * params.h + v.bidh) * 2 * params.ld_mma_rows + row0) * 16;
+                                            ld_mma_row(params, v.bidb, v.bidh, row0) * Traits::kElemBytes;
                 const uint32_t dst = sLd + stage * 2 * kLdRowsBytes;
                 mbarrier_expect_tx(full_qdo(stage), 2 * kLdRowsBytes);
                 bulk_load(dst, rows, kLdRowsBytes, full_qdo(stage));
-                bulk_load(dst + kLdRowsBytes, rows + params.ld_mma_rows * 16, kLdRowsBytes, full_qdo(stage));
+                bulk_load(dst + kLdRowsBytes, rows + params.ld_mma_rows * 16, kLdRowsBytes, full_qdo(stage));  // slice 1
             }
             tma_load_rows<kBlockM, kHeadDim, kSpan>(sQ + stage * Traits::kSmemQBytes, &maps.q, &maps.q_tail,
                                                     v.sq.q_row0 + row0, v.bidh, v.batch_coord, full_qdo(stage));

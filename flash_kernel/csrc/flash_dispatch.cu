@@ -23,6 +23,8 @@ bool hopper_bwd_built(int head_dim_rounded) {
 
 bool bwd_head_dim_supported(int head_dim_rounded) { return head_dim_rounded <= kMaxHeadDim; }
 
+bool hopper_bwd_ld_in_mma(bool is_bf16) { return is_bf16 ? kBwdLdInMma<__nv_bfloat16> : kBwdLdInMma<__half>; }
+
 int hopper_bwd_dq_accum_cols(int head_dim, int head_dim_rounded) {
     return FLASH_HEADDIM_SWITCH(head_dim_rounded, kHeadDim, [&] {
         using Config = HopperBwdConfig<kHeadDim, __nv_bfloat16>;

@@ -56,6 +56,9 @@ bool bwd_head_dim_supported(int head_dim_rounded);  // head dims with a backward
 // kernel's rows are head_dim_rounded floats).
 int hopper_bwd_dq_accum_cols(int head_dim, int head_dim_rounded);
 int bwd_block_n(int head_dim_rounded);              // keys per backward thread block (sizes num_splits)
+// Whether the dense Hopper backward of this dtype reads BwdParams::ld_mma (FLASH_BWD_LD_IN_MMA, as the kernels were
+// built), which the binding then makes.
+bool hopper_bwd_ld_in_mma(bool is_bf16);
 // Dynamic shared memory per thread block of the sm80 forward / main backward kernel that runs for params.d_rounded
 // on a GPU with params' limits (a config's smaller variant where its Traits do not fit).
 int sm80_fwd_smem_bytes(const FwdParams& params);

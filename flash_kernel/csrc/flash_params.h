@@ -111,7 +111,7 @@ struct BwdParams : public FwdParams {
     int64_t block_trace_rows;
 
     // The dense Hopper backward's L_i and D_i as operands of its S^T and dP^T products (FLASH_BWD_LD_IN_MMA,
-    // below): (B, Hq, 2, ld_mma_rows, 8) in the input dtype, row q of slice 0 holding -L_q / softmax
+    // hopper_bwd_traits.h): (B, Hq, 2, ld_mma_rows, 8) in the input dtype, row q of slice 0 holding -L_q / softmax
     // scale and of slice 1 -D_q, each as the sum of its first three elements (the rest zeros); rows from Tq to
     // ld_mma_rows (Tq rounded up to kLdMmaRowPad) zeros. Written by the preprocess kernel; nullptr where unused.
     void* ld_mma_ptr;
@@ -119,13 +119,13 @@ struct BwdParams : public FwdParams {
 };
 
 constexpr int kLdMmaRowPad = 128;  // a multiple of every Hopper backward's kBlockM
-
-// FLASH_BWD_LD_IN_MMA (on): the dense Hopper backward (bf16) adds -L_i / scale to S^T and -D_i to dP^T by one more k16
-// step of each product, A a fragment of ones and B the query block's rows of ld_mma (BwdParams), instead of every
-// thread loading L_i and D_i for its 16 query columns from shared memory.
-#ifndef FLASH_BWD_LD_IN_MMA
-#define FLASH_BWD_LD_IN_MMA 1
+// The element offset in ld_mma of (batch, head)'s query row q of slice 0 (L); slice 1's (D) is ld_mma_rows * 8 on.
+#ifdef __CUDACC__
+__host__ __device__
 #endif
+inline int64_t ld_mma_row(const BwdParams& p, int batch, int head, int q) {
+    return ((static_cast<int64_t>(batch) * p.h + head) * 2 * p.ld_mma_rows + q) * 8;
+}
 
 // varlen dq_accum rows: each sequence starts on a multiple of kDqAccumRowPad (a multiple of every kernel's kBlockM)
 // and owns at least ceil(len / kBlockM) * kBlockM rows (FlashAttention-3's padded offsets).

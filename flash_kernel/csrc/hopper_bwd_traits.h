@@ -8,9 +8,14 @@
 // hd65-96 the second warpgroup's columns stop at 96 with FLASH_BWD_NARROW_DQ).
 #pragma once
 
-#include "flash_params.h"  // FLASH_BWD_LD_IN_MMA
 #include "hopper_kernel_traits.h"  // kWarpgroupThreads, kWarpgroupRows, kMaxSmemBytesSm90
 
+// FLASH_BWD_LD_IN_MMA (on): the dense Hopper backward in bf16 (kBwdLdInMma) adds -L_i / scale to S^T and -D_i to dP^T
+// by one more k16 step of each product, A a fragment of ones and B the query block's rows of BwdParams::ld_mma,
+// instead of every thread loading L_i and D_i for its 16 query columns from shared memory.
+#ifndef FLASH_BWD_LD_IN_MMA
+#define FLASH_BWD_LD_IN_MMA 1
+#endif
 // Build switch for HopperBwdTraits::kDqBeforeDk (on by default; -DFLASH_BWD_DQ_BEFORE_DK=0 builds without it).
 #ifndef FLASH_BWD_DQ_BEFORE_DK
 #define FLASH_BWD_DQ_BEFORE_DK 1
@@ -52,6 +57,11 @@
 #endif
 
 namespace flash {
+
+// Whether the dense Hopper backward of this dtype takes L_i and D_i through its matmuls (FLASH_BWD_LD_IN_MMA), and so
+// whether the binding makes ld_mma (hopper_bwd_ld_in_mma, flash_launch.h).
+template <typename Element>
+constexpr bool kBwdLdInMma = FLASH_BWD_LD_IN_MMA != 0 && std::is_same_v<Element, __nv_bfloat16>;
 
 // kHeadDim is the tile width; kQKDim the floats of a dQ row in sdQ and dq_accum (BwdParams::dq_accum_cols): the
 // instantiated head dim (d_rounded), or 80 for the hd65-80 twins (NarrowTraits); kSumDim <= kQKDim the columns that
@@ -99,10 +109,10 @@ struct HopperBwdTraits {
     static constexpr int kSmemQBytes = kBlockM * kHeadDim * kElemBytes;      // one stage of Q or dO, swizzled
     static constexpr int kSmemDsBytes = kBlockN * kBlockM * kElemBytes;      // dS^T: keys x queries, swizzled
     static constexpr int kSmemTileBytes = 2 * kSmemKVBytes + 2 * kNStages * kSmemQBytes + kSmemDsBytes;
-    // FLASH_BWD_LD_IN_MMA (flash_params.h; bf16): per stage the query block's rows of ld_mma's two slices (16 bytes
+    // kBwdLdInMma: per stage the query block's rows of ld_mma's two slices (16 bytes
     // each: L_i's, then D_i's), then kBlockM rows of zeros, the other 8 columns of their k16 step; else L_i and D_i
     // per stage as floats (the varlen kernel's, at the same place).
-    static constexpr bool kLdInMma = FLASH_BWD_LD_IN_MMA != 0 && std::is_same_v<Element, __nv_bfloat16>;
+    static constexpr bool kLdInMma = kBwdLdInMma<Element>;
     static constexpr int kSmemRowStatBytes = kLdInMma ? (2 * kNStages + 1) * kBlockM * 16 : 2 * kNStages * kBlockM * 4;
     static constexpr int kSmemDqBytes = kBlockM * kQKDim * 4;  // dQ_i (fp32, rows of kQKDim), reduced by iteration i+1
     // sdQ by iteration parity: before the barrier that publishes dS^T_i, the thread issuing the reduces waits for the
