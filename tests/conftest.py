@@ -1,7 +1,7 @@
 """Shared test fixtures: `data_cache` for CPU training runs (tests/run_overrides.py writes their overrides);
 `host_check` compiles one of the tests/*_check.cu programs with nvcc for the CPU (they include kernel headers, so no
-GPU and no torch is needed) and runs it; `device_ptx` compiles a kernel file to PTX, `host_object` with its host
-code."""
+GPU is needed) and runs it; `device_ptx` compiles a kernel file to PTX, `host_object` with its host code. Each nvcc
+run takes the flags torch's extension build adds (`_extension_flags`)."""
 
 import os
 import re
@@ -49,8 +49,8 @@ def host_check(tmp_path_factory):
     def run(source: str) -> list[str]:
         if source not in outputs:
             exe = tmp_path_factory.mktemp("host_check") / Path(source).stem
-            build = subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(TESTS / source), "-o", str(exe)],
-                                   capture_output=True, text=True)
+            build = subprocess.run([nvcc, "-std=c++17", "-O2", *_extension_flags(), f"-I{CSRC}", str(TESTS / source),
+                                    "-o", str(exe)], capture_output=True, text=True)
             assert build.returncode == 0, build.stderr
             result = subprocess.run([str(exe)], capture_output=True, text=True)
             assert result.returncode == 0, result.stdout
@@ -60,9 +60,20 @@ def host_check(tmp_path_factory):
     return run
 
 
+def _extension_flags() -> list[str]:
+    """The flags torch's extension build gives every nvcc run (COMMON_NVCC_FLAGS): among them
+    -D__CUDA_NO_HALF_CONVERSIONS__ and -D__CUDA_NO_BFLOAT16_CONVERSIONS__, which take away the implicit float <->
+    half / bfloat16 conversions a bare nvcc run allows, so code that leans on them compiles here only if it would
+    compile in `make build`."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    return list(COMMON_NVCC_FLAGS)
+
+
 def _compile_kernel_file(nvcc: str, mode: list[str], source: str, defines: list[str], out: Path) -> None:
-    """nvcc `mode` (what to make) on a csrc file with the Hopper kernels and these -D defines; asserts it built."""
-    build = subprocess.run([nvcc, *mode, "-std=c++17", "-DFLASH_KERNEL_SM90A", "--expt-relaxed-constexpr",
+    """nvcc `mode` (what to make) on a csrc file with the Hopper kernels, the extension's flags and these -D defines;
+    asserts it built."""
+    build = subprocess.run([nvcc, *mode, "-std=c++17", "-DFLASH_KERNEL_SM90A", *_extension_flags(),
                             *(f"-D{d}" for d in defines), f"-I{CSRC}", str(CSRC / source), "-o", str(out)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]

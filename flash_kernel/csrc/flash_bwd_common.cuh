@@ -102,15 +102,23 @@ __device__ __forceinline__ void load_lse_delta(float* s_lse, float* s_delta, con
     }
 }
 
+// float <-> Element by the intrinsics: the build defines __CUDA_NO_HALF_CONVERSIONS__ and
+// __CUDA_NO_BFLOAT16_CONVERSIONS__ (torch's extension flags), which remove the implicit conversions.
+__host__ __device__ __forceinline__ void from_float(float x, __nv_bfloat16& e) { e = __float2bfloat16_rn(x); }
+__host__ __device__ __forceinline__ void from_float(float x, __half& e) { e = __float2half_rn(x); }
+__host__ __device__ __forceinline__ float to_float(__nv_bfloat16 e) { return __bfloat162float(e); }
+__host__ __device__ __forceinline__ float to_float(__half e) { return __half2float(e); }
+
 // One row of BwdParams::ld_mma: x as three values of Element whose sum is x to about 24 bits (an infinite x: x, 0,
 // 0), then five zeros; one 16-byte store.
 template <typename Element>
 __host__ __device__ __forceinline__ void store_ld_mma_row(Element* dst, float x) {
-    const Element hi(x);
-    const float r1 = std::isfinite(x) ? x - static_cast<float>(hi) : 0.f;  // exact: hi is x rounded
-    const Element mid(r1);
-    alignas(16) Element row[8] = {hi, mid, Element(r1 - static_cast<float>(mid))};
-    for (int i = 3; i < 8; ++i) row[i] = Element(0.f);
+    alignas(16) Element row[8];
+    from_float(x, row[0]);
+    const float r1 = std::isfinite(x) ? x - to_float(row[0]) : 0.f;  // exact: row[0] is x rounded
+    from_float(r1, row[1]);
+    from_float(r1 - to_float(row[1]), row[2]);
+    for (int i = 3; i < 8; ++i) from_float(0.f, row[i]);
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(row);
 }
 
