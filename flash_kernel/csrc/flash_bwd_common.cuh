@@ -32,7 +32,6 @@
 #pragma once
 
 #include <cmath>
-#include <type_traits>
 
 #include "dq_accum_layout.h"  // dq_accum_chunk: the Hopper backward's dq_accum rows
 #include "flash_params.h"
